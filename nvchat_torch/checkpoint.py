@@ -1,0 +1,288 @@
+"""Reading mlx-community NemotronLabs VoiceChat checkpoints (bf16, 8-bit, 4-bit, mx/nv fp) into torch.
+
+The shards store PyTorch/NeMo names and layouts (conv ``[out, in, k]``, ConvTranspose1d
+``[in, out, k]``, LSTM ``weight_ih_l0`` ...); only the LLM and vocabulary matrices are packed
+by MLX's quantizer (``<path>.weight`` uint32 + ``<path>.scales`` [+ ``<path>.biases``]).
+Tensors are read one at a time through safetensors' memory map, converted, and only then is
+the next one read, so the raw and the converted checkpoint never sit in memory together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from .config import ConfigError, QuantSpec, VoiceChatConfig
+from .quant import dequantize
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "resolve_checkpoint",
+    "load_checkpoint",
+    "KEEP_FLOAT32",
+]
+
+# Tensors the reference keeps in float32 whatever the load dtype (its cast predicate).
+KEEP_FLOAT32 = ("A_log",)
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "special_tokens_map.json", "rnnt_tokenizer/*"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt or inconsistent; the message names the file (and key)."""
+
+
+def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
+    """A local checkpoint folder, or a Hub repo id fetched with ``huggingface_hub.snapshot_download``.
+
+    The Hub cache and ``HF_HUB_OFFLINE`` are honoured; offline with nothing cached is a
+    ``CheckpointError`` that says so.
+    """
+    text = os.fspath(path_or_repo_id)
+    local = Path(text).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise CheckpointError(f"{local}: expected a checkpoint folder (with config.json and *.safetensors), "
+                                  "got a file")
+        return local
+    parts = text.split("/")
+    looks_like_repo = (len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+                       and not local.is_absolute())
+    if not looks_like_repo:
+        raise CheckpointError(f"{text}: no such checkpoint folder (and it is not a Hub repo id like "
+                              "'mlx-community/NemotronLabs-VoiceChat-11B-4bit')")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        raise CheckpointError(f"{text}: downloading from the Hub needs huggingface_hub ({e})") from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        hint = ("HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it"
+                if offline else "the Hub could not be reached and the Hugging Face cache has no copy of it")
+        raise CheckpointError(f"{text}: cannot load this Hub checkpoint: {hint}. Download it on a connected "
+                              f"machine first, e.g. `hf download {text} --local-dir weights/{parts[1]}`, "
+                              "and pass that folder.") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{text}: no such repository on the Hugging Face Hub (or it is private)") from None
+    except Exception as e:  # network errors and the like: keep the repo id in the message
+        raise CheckpointError(f"{text}: could not fetch from the Hugging Face Hub: {type(e).__name__}: {e}") from None
+
+
+@dataclass(frozen=True)
+class PackedTensors:
+    """The stored tensors of one quantized module (raw, as on disk)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor | None
+    spec: QuantSpec
+
+
+class Checkpoint:
+    """An opened checkpoint folder: its config, its shards and where every key lives.
+
+    Shards are memory-mapped by safetensors; :meth:`get` reads one tensor.
+    """
+
+    def __init__(self, folder: str | os.PathLike, config: VoiceChatConfig | None = None):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.config = config if config is not None else VoiceChatConfig.from_file(self.folder / "config.json")
+        index = self.folder / "model.safetensors.index.json"
+        self._handles: dict[str, object] = {}
+        self.key_to_file: dict[str, str] = {}
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (self.folder / name).exists():
+                    key = next(k for k, v in weight_map.items() if v == name)
+                    raise CheckpointError(f"{self.folder / name}: shard listed in {index.name} is missing "
+                                          f"(it holds e.g. '{key}')")
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.folder}: no model.safetensors.index.json and no *.safetensors files")
+            weight_map = None
+        for name in files:
+            path = self.folder / name
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+            self._handles[name] = handle
+            keys = set(handle.keys())
+            if weight_map is None:
+                for k in keys:
+                    if k in self.key_to_file:
+                        raise CheckpointError(f"{path}: key '{k}' is also in {self.key_to_file[k]}")
+                    self.key_to_file[k] = name
+            else:
+                for k in keys:
+                    if weight_map.get(k) == name:
+                        self.key_to_file[k] = name
+        if weight_map is not None:
+            for k, name in weight_map.items():
+                if k not in self.key_to_file:
+                    raise CheckpointError(f"{self.folder / name}: has no tensor '{k}', which "
+                                          f"model.safetensors.index.json places there")
+
+    # ---- raw access
+    def keys(self) -> list[str]:
+        return sorted(self.key_to_file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_to_file
+
+    def file_of(self, key: str) -> Path:
+        return self.folder / self.key_to_file[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        name = self.key_to_file.get(key)
+        if name is None:
+            raise CheckpointError(f"{self.folder}: no tensor '{key}' in any shard")
+        try:
+            return self._handles[name].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{self.folder / name}: cannot read '{key}' (truncated or corrupt?): {e}") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        name = self.key_to_file[key]
+        try:
+            return tuple(self._handles[name].get_slice(key).get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{self.folder / name}: cannot read '{key}': {e}") from None
+
+    # ---- structure
+    def quantized_modules(self) -> dict[str, QuantSpec]:
+        """Every module stored packed, with its spec (config overrides, checked against the shapes)."""
+        out = {}
+        for key in self.keys():
+            if not key.endswith(".scales"):
+                continue
+            path = key[: -len(".scales")]
+            where = f"{self.file_of(key)}: '{path}'"
+            if f"{path}.weight" not in self:
+                raise CheckpointError(f"{where}: has .scales but no .weight")
+            try:
+                spec = self.config.quant_spec(path, stored=True)
+            except ConfigError as e:
+                raise CheckpointError(f"{self.file_of(key)}: {e}") from None
+            if spec is None:
+                raise CheckpointError(f"{where}: stored quantized (has .scales) but config.json's 'quantization' "
+                                      "does not quantize it")
+            self._check_packed_shapes(path, spec)
+            out[path] = spec
+        return out
+
+    def _check_packed_shapes(self, path: str, spec: QuantSpec) -> None:
+        w_shape, s_shape = self.shape(f"{path}.weight"), self.shape(f"{path}.scales")
+        where = f"{self.file_of(path + '.weight')}: '{path}.weight'"
+        n_in = s_shape[-1] * spec.group_size
+        if w_shape[:-1] != s_shape[:-1] or w_shape[-1] * 32 != n_in * spec.bits:
+            implied = w_shape[-1] * 32 / max(n_in, 1)
+            raise CheckpointError(
+                f"{where}: packed shape {list(w_shape)} with scales {list(s_shape)} implies "
+                f"{implied:g} bits at group size {spec.group_size}, but the config says "
+                f"{spec.mode} {spec.bits}-bit, group {spec.group_size}")
+        has_biases = f"{path}.biases" in self
+        if spec.has_biases and not has_biases:
+            raise CheckpointError(f"{where}: affine quantization needs '{path}.biases', which is missing")
+        if not spec.has_biases and has_biases:
+            raise CheckpointError(f"{where}: mode {spec.mode} has no biases but '{path}.biases' is stored")
+
+    def read_packed(self, path: str, spec: QuantSpec) -> PackedTensors:
+        w = self.get(f"{path}.weight")
+        if w.dtype not in (torch.uint32, torch.int32):
+            raise CheckpointError(f"{self.file_of(path + '.weight')}: '{path}.weight' is {w.dtype}, "
+                                  "expected uint32 packed codes")
+        w = w.view(torch.uint32)
+        s = self.get(f"{path}.scales")
+        b = self.get(f"{path}.biases") if spec.has_biases else None
+        if spec.mode != "affine" and s.dtype != torch.uint8:
+            raise CheckpointError(f"{self.file_of(path + '.scales')}: '{path}.scales' is {s.dtype}; "
+                                  f"mode {spec.mode} stores uint8 scales")
+        return PackedTensors(w, s, b, spec)
+
+    def iter_tensors(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        keep_packed: Callable[[str], bool] | bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(checkpoint key, tensor)`` one at a time.
+
+        Floating tensors are cast to ``dtype`` (``A_log`` stays float32, as in the reference);
+        integer buffers keep their dtype. A quantized module yields one dequantized
+        ``<path>.weight``, or, where ``keep_packed(path)`` is true, its raw ``weight``/``scales``/
+        ``biases`` as stored.
+        """
+        quantized = self.quantized_modules()
+        packed_keys = {f"{p}.{n}" for p in quantized for n in ("weight", "scales", "biases")}
+        for path, spec in quantized.items():
+            keep = keep_packed(path) if callable(keep_packed) else bool(keep_packed)
+            try:
+                raw = self.read_packed(path, spec)
+                if keep:
+                    yield f"{path}.weight", raw.weight.to(device)
+                    yield f"{path}.scales", raw.scales.to(device)
+                    if raw.biases is not None:
+                        yield f"{path}.biases", raw.biases.to(device)
+                else:
+                    yield f"{path}.weight", dequantize(raw.weight, raw.scales, raw.biases, spec).to(device, dtype)
+            except ValueError as e:
+                raise CheckpointError(f"{self.file_of(path + '.weight')}: '{path}': {e}") from None
+            del raw
+        for key in self.keys():
+            if key in packed_keys:
+                continue
+            t = self.get(key)
+            if t.is_floating_point():
+                keep32 = any(key.endswith(n) for n in KEEP_FLOAT32)
+                t = t.to(device, torch.float32 if keep32 and t.dtype == torch.float32 else dtype)
+            else:
+                t = t.to(device)
+            yield key, t
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_checkpoint(
+    path_or_repo_id: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> tuple[VoiceChatConfig, dict[str, torch.Tensor]]:
+    """Load a NemotronLabs VoiceChat checkpoint as ``(config, state_dict)``.
+
+    Every tensor comes under its checkpoint name in PyTorch layout; each quantized triplet
+    (``weight``/``scales``/``biases``) becomes one ``<path>.weight`` in ``dtype``, equal to
+    ``mx.dequantize`` of the stored tensors. Works on a local folder or a Hub repo id.
+    """
+    folder = resolve_checkpoint(path_or_repo_id)
+    with Checkpoint(folder) as ckpt:
+        state = dict(ckpt.iter_tensors(dtype=dtype, device=device))
+        return ckpt.config, state
+
+
+def state_dict_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state.items()}

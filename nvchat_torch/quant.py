@@ -1,0 +1,384 @@
+"""MLX's packed weight formats in PyTorch: dequantization and modules that keep weights packed.
+
+Formats (MLX 0.32; formulas and packing order verified against ``mx.dequantize``):
+
+* ``affine`` (bits 2, 3, 4, 5, 6, 8; groups 32, 64, 128): ``weight`` uint32 ``[out, in*bits/32]``
+  is a little-endian, LSB-first bit stream per row; ``w = scale*q + bias`` per group of
+  ``group_size`` columns, evaluated in the scales' dtype with two roundings (bit-exact to MLX).
+* ``mxfp4`` / ``mxfp8`` (group 32): E2M1 / E4M3FN elements times an E8M0 power-of-two scale (uint8).
+* ``nvfp4`` (group 16): E2M1 elements times an E4M3FN scale (uint8).
+
+``QuantizedLinear`` / ``QuantizedEmbedding`` hold the checkpoint's ``weight``/``scales``/``biases``
+as stored (so their state_dict keys are the checkpoint's) and compute with them: embeddings
+dequantize only the looked-up rows; linears dequantize per call, or, after
+``pack_int4(model)``, run MLX 4-bit through ``torch.ops.aten._weight_int4pack_mm*`` where the
+device has it. ``quantize_modules(model, specs)`` is the gpt-fast style module swap that turns
+plain ``nn.Linear``/``nn.Embedding`` into these, so the model code itself stays plain.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import QuantSpec
+
+__all__ = [
+    "QuantSpec",
+    "unpack_codes",
+    "dequantize",
+    "packed_shapes",
+    "QuantizedLinear",
+    "QuantizedEmbedding",
+    "Int4PackedLinear",
+    "quantize_modules",
+    "pack_int4",
+    "int4pack_available",
+    "concat_linears",
+]
+
+# E2M1 values for codes 0..15 (OCP MX spec; -0 kept as 0).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# --------------------------------------------------------------------------------------
+# Unpacking and dequantization
+
+
+def unpack_codes(wq: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unpack MLX's uint32 words ``[..., in*bits/32]`` into integer codes ``[..., in]`` (uint8).
+
+    Each row is an LSB-first bit stream over its little-endian bytes: element j occupies bits
+    ``[j*bits, (j+1)*bits)``. For bits <= 8 an element spans at most two bytes.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"unpack_codes: bits must be in 1..8, got {bits}")
+    lead = wq.shape[:-1]
+    nbytes = wq.shape[-1] * 4
+    data = wq.contiguous().view(torch.uint8).reshape(*lead, nbytes)
+    if bits == 8:
+        return data
+    if bits == 4:
+        lo = data & 0x0F
+        hi = data >> 4
+        return torch.stack((lo, hi), dim=-1).reshape(*lead, nbytes * 2)
+    if bits in (1, 2):
+        per = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=wq.device)
+        mask = (1 << bits) - 1
+        return ((data.unsqueeze(-1) >> shifts) & mask).reshape(*lead, nbytes * per)
+    # 3, 5, 6, 7 bits: elements straddle bytes; read 16-bit windows.
+    n = nbytes * 8 // bits
+    bit = torch.arange(n, device=wq.device, dtype=torch.int64) * bits
+    byte = bit // 8
+    shift = (bit % 8).to(torch.int32)
+    padded = torch.cat((data, torch.zeros(*lead, 1, dtype=torch.uint8, device=wq.device)), dim=-1).to(torch.int32)
+    window = padded[..., byte] | (padded[..., byte + 1] << 8)
+    return ((window >> shift) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+def _e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> float32 powers of two ``2**(s-127)``; s=0 is 2**-127 and s=255 is +inf (as MLX)."""
+    s = scales.to(torch.int32)
+    out = (s << 23).view(torch.float32)
+    return torch.where(s == 0, torch.full_like(out, 2.0**-127), out)
+
+
+def _fp_elements(codes: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode in ("mxfp4", "nvfp4"):
+        table = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
+        return table[codes.long()]
+    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)  # mxfp8: the bytes are E4M3FN
+
+
+def dequantize(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor | None,
+    spec: QuantSpec,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Dequantize an MLX-packed tensor exactly as ``mx.dequantize`` does, then cast to ``dtype``.
+
+    Affine results are computed in the scales' dtype T as ``T(T(scale*q) + bias)``; mx/nv fp
+    results as ``T(v) * T(scale)`` with T = ``dtype`` (bfloat16 when None, MLX's default).
+    """
+    codes = unpack_codes(weight, spec.bits)
+    *lead, n_in = codes.shape
+    gs = spec.group_size
+    if n_in % gs or scales.shape[-1] != n_in // gs:
+        raise ValueError(f"packed weight {tuple(weight.shape)} with {spec.bits}-bit codes has {n_in} columns, "
+                         f"which does not match scales {tuple(scales.shape)} at group size {gs}")
+    grouped = codes.reshape(*lead, n_in // gs, gs)
+    if spec.mode == "affine":
+        if biases is None:
+            raise ValueError("affine quantization needs biases")
+        t = scales.dtype
+        w = scales.unsqueeze(-1) * grouped.to(t)
+        w = w + biases.unsqueeze(-1)
+        w = w.reshape(*lead, n_in)
+        return w if dtype is None else w.to(dtype)
+    out_dtype = dtype or torch.bfloat16
+    values = _fp_elements(grouped, spec.mode).to(out_dtype)
+    if spec.mode == "nvfp4":
+        scale = scales.contiguous().view(torch.float8_e4m3fn).to(out_dtype)
+    else:
+        scale = _e8m0_to_float(scales).to(out_dtype)
+    return (values * scale.unsqueeze(-1)).reshape(*lead, n_in)
+
+
+def packed_shapes(out_features: int, in_features: int, spec: QuantSpec) -> dict[str, tuple[int, ...]]:
+    """Shapes of the stored tensors of a ``[out, in]`` weight packed with ``spec``."""
+    if (in_features * spec.bits) % 32 or in_features % spec.group_size:
+        raise ValueError(f"in_features {in_features} cannot be packed at {spec.bits} bits, group {spec.group_size}")
+    shapes = {"weight": (out_features, in_features * spec.bits // 32),
+              "scales": (out_features, in_features // spec.group_size)}
+    if spec.has_biases:
+        shapes["biases"] = shapes["scales"]
+    return shapes
+
+
+# --------------------------------------------------------------------------------------
+# Modules
+
+
+class _Packed(nn.Module):
+    """Shared storage of a packed ``[rows, cols]`` matrix: the checkpoint's tensors as buffers."""
+
+    def __init__(self, rows: int, cols: int, spec: QuantSpec, scale_dtype: torch.dtype, device=None):
+        super().__init__()
+        self.spec = spec
+        shapes = packed_shapes(rows, cols, spec)
+        sdt = scale_dtype if spec.mode == "affine" else torch.uint8
+        self.register_buffer("weight", torch.zeros(shapes["weight"], dtype=torch.uint32, device=device))
+        self.register_buffer("scales", torch.zeros(shapes["scales"], dtype=sdt, device=device))
+        if spec.has_biases:
+            self.register_buffer("biases", torch.zeros(shapes["biases"], dtype=sdt, device=device))
+        else:
+            self.biases = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Scales/biases keep the checkpoint's dtype (fp32, bf16 or fp16): adopt it before copying.
+        for name in ("scales", "biases"):
+            src = state_dict.get(prefix + name)
+            buf = getattr(self, name, None)
+            if src is not None and buf is not None and src.dtype != buf.dtype and src.shape == buf.shape:
+                setattr(self, name, torch.empty_like(buf, dtype=src.dtype))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def dequantized(self, dtype: torch.dtype | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        w, s, b = self.weight, self.scales, self.biases
+        if rows is not None:
+            w, s = w[rows], s[rows]
+            b = None if b is None else b[rows]
+        if dtype == torch.float32 and self.spec.mode == "affine" and s.dtype != torch.float32:
+            # MLX's quantized matmul with fp32 activations uses the unrounded s*q+b.
+            s, b = s.float(), b.float()
+        return dequantize(w, s, b, self.spec, dtype)
+
+
+class QuantizedLinear(_Packed):
+    """``nn.Linear`` whose weight stays in MLX's packed format (keys ``weight``, ``scales``, ``biases``, ``bias``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec,
+                 scale_dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__(out_features, in_features, spec, scale_dtype, device)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mode={self.spec.mode}, bits={self.spec.bits}, group_size={self.spec.group_size}")
+
+
+class QuantizedEmbedding(_Packed):
+    """``nn.Embedding`` kept packed; a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, spec: QuantSpec,
+                 scale_dtype: torch.dtype = torch.bfloat16, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__(num_embeddings, embedding_dim, spec, scale_dtype, device)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.output_dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.dequantized(self.output_dtype, rows=flat)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.spec.mode}, bits={self.spec.bits}, "
+                f"group_size={self.spec.group_size}")
+
+
+# --------------------------------------------------------------------------------------
+# Fused 4-bit kernels (a layout transform applied after loading, as gpt-fast does)
+
+
+def int4pack_available(device: torch.device | str) -> bool:
+    """Whether torch has a fused int4 weight-only matmul for ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+                and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"))
+    if device.type in ("mps", "cuda"):
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm")
+    return False
+
+
+class Int4PackedLinear(nn.Module):
+    """MLX affine 4-bit linear in torch's int4pack layout, run by ``_weight_int4pack_mm*``.
+
+    torch computes ``(q - 8)*scale + zero``; MLX computes ``scale*q + bias``; so
+    ``zero = bias + 8*scale`` (computed in fp32). Built by :func:`pack_int4` from a
+    :class:`QuantizedLinear`, whose packed codes it replaces (not a second copy).
+    """
+
+    def __init__(self, src: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        spec = src.spec
+        self.in_features, self.out_features, self.group_size = src.in_features, src.out_features, spec.group_size
+        self.dtype = dtype
+        device = src.weight.device
+        s, b = src.scales.float(), src.biases.float()
+        sz = torch.stack((s, b + 8.0 * s), dim=-1).transpose(0, 1).contiguous()  # [K/gs, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(dtype))
+        if device.type == "cpu":
+            codes = unpack_codes(src.weight, 4).to(torch.int32)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+        else:
+            # MPS/CUDA kernels take the CUDA-style byte (even k in the high nibble): swap MLX's nibbles.
+            raw = src.weight.contiguous().view(torch.uint8)
+            swapped = ((raw & 0x0F) << 4) | (raw >> 4)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
+                swapped.reshape(self.out_features, self.in_features // 2), 2))
+        self.bias = src.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        xin = x2.to(self.dtype)
+        if x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(xin, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def _int4_eligible(m: nn.Module) -> bool:
+    return (isinstance(m, QuantizedLinear) and m.spec.mode == "affine" and m.spec.bits == 4
+            and m.spec.group_size in (32, 64, 128) and m.out_features % 16 == 0 and m.in_features % 64 == 0)
+
+
+def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Swap every eligible 4-bit :class:`QuantizedLinear` for an :class:`Int4PackedLinear`.
+
+    ``dtype`` is the compute dtype of the kernel (bfloat16 is the fast path on CPU and the only
+    one on CUDA). Returns the number of modules swapped; none if the device lacks the kernel.
+    The state_dict of a swapped module is no longer in checkpoint layout (a documented
+    post-load transform, like fusing QKV).
+    """
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if _int4_eligible(child) and int4pack_available(child.weight.device):
+                kdt = dtype or (torch.float32 if child.weight.device.type == "mps" else torch.bfloat16)
+                setattr(module, child_name, Int4PackedLinear(child, kdt))
+                swapped += 1
+    return swapped
+
+
+# --------------------------------------------------------------------------------------
+# Module swap
+
+
+def quantize_modules(model: nn.Module, specs: Mapping[str, QuantSpec], scale_dtypes: Mapping[str, torch.dtype] | None = None,
+                     *, embedding_dtype: torch.dtype | None = None) -> list[str]:
+    """Replace ``nn.Linear``/``nn.Embedding`` at each path in ``specs`` by its packed counterpart.
+
+    Works on any device, including ``meta`` (to get the checkpoint's shapes without weights).
+    Returns the swapped paths. A path that is not a Linear/Embedding, or whose width cannot be
+    packed with its spec, raises ``ValueError`` naming it.
+    """
+    scale_dtypes = scale_dtypes or {}
+    done = []
+    for path, spec in specs.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, name, None)
+        sdt = scale_dtypes.get(path, torch.bfloat16)
+        device = None
+        if isinstance(old, nn.Linear):
+            device = old.weight.device
+            try:
+                new = QuantizedLinear(old.in_features, old.out_features, old.bias is not None, spec, sdt, device)
+            except ValueError as e:
+                raise ValueError(f"'{path}': {e}") from None
+        elif isinstance(old, nn.Embedding):
+            device = old.weight.device
+            try:
+                new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, spec, sdt, device,
+                                         dtype=embedding_dtype or old.weight.dtype)
+            except ValueError as e:
+                raise ValueError(f"'{path}': {e}") from None
+        else:
+            raise ValueError(f"'{path}' is quantized in the checkpoint but is a {type(old).__name__}, "
+                             "not a Linear or Embedding")
+        setattr(parent, name, new)
+        done.append(path)
+    return done
+
+
+def iter_quantized(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding, Int4PackedLinear)):
+            yield name, m
+
+
+def packed_bits_per_weight(spec: QuantSpec, scale_bytes: int = 2) -> float:
+    """Storage cost per weight including scales (and biases for affine)."""
+    extra = (2 if spec.has_biases else 1) * (scale_bytes if spec.mode == "affine" else 1) * 8 / spec.group_size
+    return spec.bits + extra
+
+
+def concat_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear computing ``cat([l(x) for l in linears], -1)``: the fused-QKV / gate-up transform.
+
+    Works for ``nn.Linear`` and for ``QuantizedLinear`` of one spec (packed rows concatenate,
+    so the fused module is exactly as accurate as the separate ones).
+    """
+    first = linears[0]
+    if not all(l.in_features == first.in_features for l in linears):
+        raise ValueError("concat_linears: all linears need the same in_features")
+    has_bias = [l.bias is not None for l in linears]
+    out = sum(l.out_features for l in linears)
+    if all(isinstance(l, nn.Linear) for l in linears):
+        w = torch.cat([l.weight.data for l in linears], 0)
+        fused = nn.Linear(first.in_features, out, bias=any(has_bias), device=w.device, dtype=w.dtype)
+        fused.weight.data = w
+    elif all(isinstance(l, QuantizedLinear) and l.spec == first.spec for l in linears):
+        fused = QuantizedLinear(first.in_features, out, any(has_bias), first.spec, first.scales.dtype,
+                                first.weight.device)
+        fused.weight = torch.cat([l.weight for l in linears], 0)
+        fused.scales = torch.cat([l.scales for l in linears], 0)
+        if first.biases is not None:
+            fused.biases = torch.cat([l.biases for l in linears], 0)
+    else:
+        raise TypeError("concat_linears: mix of linear kinds or quantization specs: "
+                        + ", ".join(type(l).__name__ for l in linears))
+    if any(has_bias):
+        ref = next(l.bias for l in linears if l.bias is not None)
+        fused.bias = nn.Parameter(torch.cat([
+            l.bias.data if l.bias is not None else torch.zeros(l.out_features, dtype=ref.dtype, device=ref.device)
+            for l in linears]))
+    return fused
