@@ -382,3 +382,30 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module:
             l.bias.data if l.bias is not None else torch.zeros(l.out_features, dtype=ref.dtype, device=ref.device)
             for l in linears]))
     return fused
+
+
+def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack ``w [..., in]`` in MLX's affine format: ``(weight uint32, scales, biases)`` in ``w``'s dtype.
+
+    Min/max per group, ``q = round((w - min) / scale)``; readable by MLX and by :func:`dequantize`.
+    (MLX's own quantizer also snaps the group edge; both are valid encodings of the format.)
+    """
+    spec = QuantSpec(bits, group_size)
+    spec.validate("quantize_affine")
+    *lead, n_in = w.shape
+    if n_in % group_size or (n_in * bits) % 32:
+        raise ValueError(f"quantize_affine: last dim {n_in} cannot be packed at {bits} bits, group {group_size}")
+    g = w.float().reshape(*lead, n_in // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)), 0, levels).to(torch.int64)
+    q = q.reshape(*lead, n_in)
+    # LSB-first bit stream per row, little-endian bytes -> uint32 words.
+    shifts = torch.arange(bits, dtype=torch.int64, device=w.device)
+    stream = ((q.unsqueeze(-1) >> shifts) & 1).reshape(*lead, n_in * bits)
+    byte_bits = stream.reshape(*lead, n_in * bits // 8, 8) << torch.arange(8, device=w.device)
+    packed = byte_bits.sum(-1).to(torch.uint8).reshape(*lead, n_in * bits // 32, 4)
+    words = packed.contiguous().view(torch.int32).squeeze(-1).view(torch.uint32)
+    return words, scale.to(w.dtype), lo.to(w.dtype)

@@ -21,19 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-SPECIALS = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 21)]
-WORDS = ["hello", "the", "world", "voice", "chat", "you", "are", "helpful",
-         "assistant", "nemotron", "speak", "in", "and", "to"]
-RNNT_VOCAB = ["<unk>", "<en-US>"] + [f"\u2581{w}" for w in WORDS] + list("abcdehlnorstuw")
+from nvchat_torch.config import FULL_SIZE_TEXT_CONFIG as REAL_TEXT_CONFIG
+from nvchat_torch.tiny import RNNT_VOCABULARY as RNNT_VOCAB
+from nvchat_torch.tiny import SPECIAL_TOKENS as SPECIALS
+from nvchat_torch.tiny import tiny_config_dict, write_tokenizer
 
-REAL_TEXT_CONFIG = {
-    "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 4480, "intermediate_size": 15680,
-    "num_hidden_layers": 56, "max_position_embeddings": 131072, "num_attention_heads": 40,
-    "num_key_value_heads": 8, "attention_bias": False, "mamba_num_heads": 128, "mamba_head_dim": 80,
-    "mamba_proj_bias": False, "ssm_state_size": 128, "conv_kernel": 4, "n_groups": 8, "mlp_bias": False,
-    "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
-    "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-", "head_dim": 128,
-}
 VOCAB_MODULES = ("stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
 
 
@@ -65,97 +57,11 @@ class TinySpec:
 # Writing checkpoints
 
 
-def build_tokenizer(out: Path, vocab_target: int) -> dict[str, int]:
-    """Byte-level BPE: ids 0..20 specials, 21..276 the 256 byte chars, then merges of WORDS."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    for ch in alphabet:
-        vocab[ch] = len(vocab)
-    merges = []
-    for word in WORDS:
-        for w in ("\u0120" + word, word):
-            cur = w[0]
-            for ch in w[1:]:
-                if len(vocab) >= vocab_target:
-                    break
-                new = cur + ch
-                if new not in vocab:
-                    vocab[new] = len(vocab)
-                    merges.append((cur, ch))
-                cur = new
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.save(str(out / "tokenizer.json"))
-    _dump(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<SPECIAL_12>", "add_bos_token": False, "add_eos_token": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": 131072, "fix_mistral_regex": True})
-    _dump(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                                            "pad_token": "<SPECIAL_12>"})
-    return vocab
-
-
-def tiny_config(spec: TinySpec, char_vocab: int) -> dict:
-    deep = spec.preset == "deep"
-    pattern = REAL_TEXT_CONFIG["hybrid_override_pattern"] if deep and spec.pattern == "M-M*-MM-" else spec.pattern
-    h = spec.hidden
-    text = dict(REAL_TEXT_CONFIG)
-    text.update(vocab_size=spec.vocab, hidden_size=h, intermediate_size=2 * h, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
-                ssm_state_size=16, conv_kernel=4, hybrid_override_pattern=pattern,
-                num_hidden_layers=len(pattern), max_position_embeddings=4096)
-    n_rnnt = len(RNNT_VOCAB)
-    return {
-        "model_type": "nemotron_voicechat",
-        "architectures": ["NemotronVoiceChatForConditionalGeneration"],
-        "text_config": text,
-        "audio_config": {
-            "preprocessor": {"sample_rate": 16000, "features": 128, "n_fft": 512, "window_size": 0.025,
-                             "window_stride": 0.01, "window": "hann", "preemph": 0.97, "dither": 1e-05,
-                             "normalize": "NA", "pad_to": 0, "pad_value": 0.0},
-            "encoder": {"feat_in": 128, "n_layers": 24 if deep else 2, "d_model": 32, "n_heads": 4,
-                        "ff_expansion_factor": 4, "subsampling_factor": 8, "subsampling_conv_channels": 16,
-                        "conv_kernel_size": 9, "causal_downsampling": True, "conv_context_size": "causal",
-                        "conv_norm_type": "layer_norm", "self_attention_model": "rel_pos",
-                        "att_context_style": "chunked_limited", "att_context_size": [[70, 0]],
-                        "pos_emb_max_len": 5000, "use_bias": spec.conformer_bias, "xscaling": False},
-            "decoder": {"pred_hidden": 16, "pred_rnn_layers": 2, "vocab_size": n_rnnt, "blank_as_pad": True},
-            "joint": {"joint_hidden": 24, "activation": "relu", "encoder_hidden": 32, "pred_hidden": 16,
-                      "num_classes": n_rnnt},
-            "output_dim": h,
-            "max_symbols": 10,
-        },
-        "tts_config": {
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28 if deep else 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 7500,
-            "sliding_window_pattern": 6 if deep else 2, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256.0,
-            "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "latent_size": 16,
-            "num_quantizers": 31, "codebook_size": 1024, "num_delay_speech_tokens": 2, "num_iterations": 8,
-            "exponent": 3.0, "guidance_scale": 0.2, "top_p": 0.95, "noise_scale": 0.001,
-            "disable_eos_prediction": True, "use_gated_fusion_for_text_audio": True,
-            "use_subword_flag_emb": True, "use_bos_eos_emb": True, "use_audio_prompt_frozen_projection": True,
-            "audio_prompt_duration": 3.0,
-            "character_encoder": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-                                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-                                  "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256.0,
-                                  "attn_logit_softcapping": 50.0, "rope_base": 10000.0,
-                                  "char_vocab_size": char_vocab},
-            "mog_head": {"intermediate_size": 128, "low_rank": 4, "min_log_std": -4.0, "num_layers": 3,
-                         "num_predictions": 16, "eps": 1e-6},
-        },
-        "codec_config": {"sample_rate": 22050, "base_channels": 8, "channel_multipliers": [1, 2, 4],
-                         "downsample_rates": [7, 7, 9], "blocks_per_stage": 3 if deep else 2,
-                         "block_kernel_size": 7, "latent_dim": 16, "n_fft": 16, "hop_length": 4,
-                         "num_quantizers": 31, "codebook_size": 1024},
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 12, "silence_token_id": 11,
-        "rnnt_blank_id": n_rnnt, "input_sample_rate": 16000, "output_sample_rate": 22050,
-        "frame_duration": 0.08, "function_channel_weight": 2.0, "default_system_prompt": "",
-        "speaker": "Aria", "rnnt_vocabulary": list(RNNT_VOCAB),
-    }
+def tiny_config(spec: TinySpec) -> dict:
+    config = tiny_config_dict(spec.preset, hidden=spec.hidden, vocab=spec.vocab,
+                              pattern=None if spec.pattern == "M-M*-MM-" else spec.pattern)
+    config["audio_config"]["encoder"]["use_bias"] = spec.conformer_bias
+    return config
 
 
 def _randomize(model, seed: int, tok_vocab: dict, spec: TinySpec) -> None:
@@ -287,15 +193,17 @@ def write_safetensors(out: Path, weights: dict, max_shard_bytes: int | None) -> 
 
 
 def build_tiny_checkpoint(out: Path, spec: TinySpec) -> Path:
-    """Write a random VoiceChat checkpoint described by ``spec`` into ``out`` (with the MLX reference)."""
+    """Write a random VoiceChat checkpoint described by ``spec`` into ``out`` (with the MLX reference).
+
+    The configuration and tokenizer are nvchat_torch's tiny presets; the weights are made, quantized
+    and saved by MLX (mlx-vlm's model, its quantizer, ``mx.save_safetensors``)."""
     from mlx_vlm.models.nemotron_voicechat import Model, ModelConfig
     from mlx_vlm.quant_utils import quantize_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok_vocab = build_tokenizer(out, spec.tokenizer_size)
-    char_vocab = sum(1 for t in tok_vocab if len(t) == 1) + 1
-    config = tiny_config(spec, char_vocab)
+    tok_vocab = write_tokenizer(out, spec.tokenizer_size)
+    config = tiny_config(spec)
     mx.random.seed(spec.seed)
     model = Model(ModelConfig.from_dict(config))
     _randomize(model, spec.seed, tok_vocab, spec)

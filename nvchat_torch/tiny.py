@@ -1,0 +1,134 @@
+"""Tiny, structurally faithful VoiceChat configurations and their tokenizer.
+
+Used for the embedded default model of ``python -m nvchat_torch.stream`` (random weights, built
+deterministically in code, no download), by the benchmarks (the ``deep`` preset: tiny widths
+but the real depth of every network, so a frame runs as many kernels as the 11B model), and by
+the tests, whose MLX oracle writes checkpoints of these configurations.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from .config import FULL_SIZE_TEXT_CONFIG
+
+__all__ = ["SPECIAL_TOKENS", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer"]
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 21)]  # 11 silence, 12 pad
+WORDS = ["hello", "the", "world", "voice", "chat", "you", "are", "helpful",
+         "assistant", "nemotron", "speak", "in", "and", "to"]
+RNNT_VOCABULARY = ["<unk>", "<en-US>"] + [f"\u2581{w}" for w in WORDS] + list("abcdehlnorstuw")
+CHAR_VOCAB_SIZE = 257  # the byte-level alphabet (256 one-character tokens) + pad
+
+
+def tiny_config_dict(preset: str = "tiny", *, hidden: int = 64, vocab: int = 320,
+                     pattern: str | None = None) -> dict[str, Any]:
+    """A config.json dict. ``preset``: "tiny" (2 Conformer, 8 LLM, 2 TTS layers) or "deep"
+    (24 Conformer layers, the real 56-layer LLM pattern, 28 TTS layers, 3 codec blocks per stage)."""
+    if preset not in ("tiny", "deep"):
+        raise ValueError(f"preset must be 'tiny' or 'deep', got {preset!r}")
+    deep = preset == "deep"
+    pattern = pattern or (FULL_SIZE_TEXT_CONFIG["hybrid_override_pattern"] if deep else "M-M*-MM-")
+    text = copy.deepcopy(FULL_SIZE_TEXT_CONFIG)
+    text.update(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                ssm_state_size=16, conv_kernel=4, hybrid_override_pattern=pattern,
+                num_hidden_layers=len(pattern), max_position_embeddings=4096)
+    n_rnnt = len(RNNT_VOCABULARY)
+    return {
+        "model_type": "nemotron_voicechat",
+        "architectures": ["NemotronVoiceChatForConditionalGeneration"],
+        "text_config": text,
+        "audio_config": {
+            "preprocessor": {"sample_rate": 16000, "features": 128, "n_fft": 512, "window_size": 0.025,
+                             "window_stride": 0.01, "window": "hann", "preemph": 0.97, "dither": 1e-05,
+                             "normalize": "NA", "pad_to": 0, "pad_value": 0.0},
+            "encoder": {"feat_in": 128, "n_layers": 24 if deep else 2, "d_model": 32, "n_heads": 4,
+                        "ff_expansion_factor": 4, "subsampling_factor": 8, "subsampling_conv_channels": 16,
+                        "conv_kernel_size": 9, "causal_downsampling": True, "conv_context_size": "causal",
+                        "conv_norm_type": "layer_norm", "self_attention_model": "rel_pos",
+                        "att_context_style": "chunked_limited", "att_context_size": [[70, 0]],
+                        "pos_emb_max_len": 5000, "use_bias": False, "xscaling": False},
+            "decoder": {"pred_hidden": 16, "pred_rnn_layers": 2, "vocab_size": n_rnnt, "blank_as_pad": True},
+            "joint": {"joint_hidden": 24, "activation": "relu", "encoder_hidden": 32, "pred_hidden": 16,
+                      "num_classes": n_rnnt},
+            "output_dim": hidden,
+            "max_symbols": 10,
+        },
+        "tts_config": {
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28 if deep else 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 7500,
+            "sliding_window_pattern": 6 if deep else 2, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256.0,
+            "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0, "latent_size": 16,
+            "num_quantizers": 31, "codebook_size": 1024, "num_delay_speech_tokens": 2, "num_iterations": 8,
+            "exponent": 3.0, "guidance_scale": 0.2, "top_p": 0.95, "noise_scale": 0.001,
+            "disable_eos_prediction": True, "use_gated_fusion_for_text_audio": True,
+            "use_subword_flag_emb": True, "use_bos_eos_emb": True, "use_audio_prompt_frozen_projection": True,
+            "audio_prompt_duration": 3.0,
+            "character_encoder": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                                  "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256.0,
+                                  "attn_logit_softcapping": 50.0, "rope_base": 10000.0,
+                                  "char_vocab_size": CHAR_VOCAB_SIZE},
+            "mog_head": {"intermediate_size": 128, "low_rank": 4, "min_log_std": -4.0, "num_layers": 3,
+                         "num_predictions": 16, "eps": 1e-6},
+        },
+        "codec_config": {"sample_rate": 22050, "base_channels": 8, "channel_multipliers": [1, 2, 4],
+                         "downsample_rates": [7, 7, 9], "blocks_per_stage": 3 if deep else 2,
+                         "block_kernel_size": 7, "latent_dim": 16, "n_fft": 16, "hop_length": 4,
+                         "num_quantizers": 31, "codebook_size": 1024},
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 12, "silence_token_id": 11,
+        "rnnt_blank_id": n_rnnt, "input_sample_rate": 16000, "output_sample_rate": 22050,
+        "frame_duration": 0.08, "function_channel_weight": 2.0, "default_system_prompt": "",
+        "speaker": "Aria", "rnnt_vocabulary": list(RNNT_VOCABULARY),
+    }
+
+
+def build_tokenizer(size: int = 300):
+    """A byte-level BPE ``tokenizers.Tokenizer``: ids 0..20 specials, 21..276 the 256 byte
+    characters (so the character encoder has its 256 + 1 characters), then merges of WORDS."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = []
+    for word in WORDS:
+        for w in ("\u0120" + word, word):
+            cur = w[0]
+            for ch in w[1:]:
+                if len(vocab) >= size:
+                    break
+                new = cur + ch
+                if new not in vocab:
+                    vocab[new] = len(vocab)
+                    merges.append((cur, ch))
+                cur = new
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+    "pad_token": "<SPECIAL_12>", "add_bos_token": False, "add_eos_token": False,
+    "clean_up_tokenization_spaces": False, "model_max_length": 131072, "fix_mistral_regex": True,
+}
+SPECIAL_TOKENS_MAP = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<SPECIAL_12>"}
+
+
+def write_tokenizer(folder: Path, size: int = 300) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the vocabulary."""
+    import json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(size)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS_MAP, indent=2) + "\n")
+    return tok.get_vocab()
