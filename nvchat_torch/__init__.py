@@ -1,8 +1,33 @@
-"""nvchat_torch: a PyTorch port of NVIDIA NemotronLabs VoiceChat 11B (full-duplex speech-to-speech)."""
+"""nvchat_torch: a PyTorch port of NVIDIA NemotronLabs VoiceChat 11B (full-duplex speech-to-speech).
+
+    import nvchat_torch as nv
+    model = nv.load_model("weights/NemotronLabs-VoiceChat-11B-4bit")   # or nv.load_tiny_model()
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt="Be concise."))
+    events = session.push_audio(samples, 16000) + session.flush()
+"""
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import ConfigError, VoiceChatConfig
+from .events import ContextLimit, StreamingOptions, VoiceChatEvent, VoiceChatProfile, VoiceChatResult
+from .model import VoiceChatModel, load_model
+from .session import StreamingSession
+from .tiny import load_tiny_model
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "ConfigError", "VoiceChatConfig", "load_checkpoint", "__version__"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "ContextLimit",
+    "StreamingOptions",
+    "StreamingSession",
+    "VoiceChatConfig",
+    "VoiceChatEvent",
+    "VoiceChatModel",
+    "VoiceChatProfile",
+    "VoiceChatResult",
+    "load_checkpoint",
+    "load_model",
+    "load_tiny_model",
+    "__version__",
+]

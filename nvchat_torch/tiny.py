@@ -9,12 +9,16 @@ the tests, whose MLX oracle writes checkpoints of these configurations.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import FULL_SIZE_TEXT_CONFIG
 
-__all__ = ["SPECIAL_TOKENS", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer", "write_tokenizer",
+           "random_model", "load_tiny_model", "save_checkpoint"]
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 21)]  # 11 silence, 12 pad
 WORDS = ["hello", "the", "world", "voice", "chat", "you", "are", "helpful",
@@ -132,3 +136,149 @@ def write_tokenizer(folder: Path, size: int = 300) -> dict[str, int]:
     (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS_MAP, indent=2) + "\n")
     return tok.get_vocab()
+
+
+# --------------------------------------------------------------------------------------
+# Random-weight models and writing them as mlx-community checkpoints
+
+
+def _hf_tokenizer(size: int = 300):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(size), **SPECIAL_TOKENS_MAP)
+
+
+@torch.no_grad()
+def randomize_(model, seed: int = 0, vocabulary: dict[str, int] | None = None) -> None:
+    """Give ``model`` (a VoiceChatModel on the CPU) reproducible random weights of sensible scale.
+
+    Matrices get N(0, 1/fan_in), embeddings and speaker latents 0.5 N(0, 1), norms and other vectors
+    their initial value + 0.1 N(0, 1), codebooks N(0, 0.8^q), A_log keeps log(1..H); then the
+    checkpoint buffers: continuation and BOS/EOS flags from ``vocabulary``, control codes, the codec's
+    own silence codes, and a bias towards the RNNT blank (a sparse transcript).
+    """
+    g = torch.Generator().manual_seed(seed)
+    embeddings = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    for name, p in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        noise = torch.randn(p.shape, generator=g)
+        if leaf == "A_log":
+            continue
+        if p.dim() == 0:
+            value = (p + 0.1 * noise).abs() if leaf == "variance" else p + 0.1 * noise
+        elif p.dim() == 1:
+            if leaf in ("gate", "bos_emb", "null_emb"):
+                value = 0.5 * noise
+            elif leaf in ("weight", "D", "dt_bias"):
+                value = p + 0.1 * noise
+            else:
+                value = 0.1 * noise
+        elif owner in embeddings or leaf == "Aria":
+            value = 0.5 * noise
+        elif leaf == "rvq_embs":
+            value = noise * 0.8 ** torch.arange(p.shape[0]).view(-1, 1, 1)
+        elif ".mus_list" in name:
+            value = noise * 0.8 ** int(leaf)
+        elif leaf in ("low_mat", "pos_bias_u", "pos_bias_v"):
+            value = noise / math.sqrt(p.shape[-1])
+        else:
+            value = noise / math.sqrt(p[0].numel())
+        p.copy_(value)
+    tts = model.tts_model
+    sub = tts.tts_model.embed_subword
+    vocabulary = vocabulary or build_tokenizer().get_vocab()
+    cont = torch.zeros_like(sub.subword_flag_emb.is_continuation)
+    for token, idx in vocabulary.items():
+        if token not in SPECIAL_TOKENS and not token.startswith("\u0120"):
+            cont[idx] = 1
+    sub.subword_flag_emb.is_continuation.copy_(cont)
+    flags = torch.zeros_like(sub.bos_eos_emb.special_flags)
+    flags[model.config.bos_token_id], flags[model.config.eos_token_id] = 1, 2
+    sub.bos_eos_emb.special_flags.copy_(flags)
+    tts._control_codes.copy_(torch.tensor([8, 1020, 1023], dtype=torch.int32))
+    joint_out = model.stt_model.rnnt_joint.joint_net[2]
+    joint_out.bias[-1] += 2.0
+    silence = torch.zeros(1, 1, 2 * tts.audio_codec.samples_per_frame)
+    tts.codec_silence_tokens.copy_(tts.audio_codec.encode(silence)[0, :, -1].to(torch.int32))
+
+
+def random_model(preset: str = "tiny", seed: int = 0, **config_kwargs):
+    """A VoiceChatModel of a tiny preset with random weights (CPU, float32, unprepared), with its tokenizer."""
+    from .config import VoiceChatConfig
+    from .model import VoiceChatModel
+
+    config = VoiceChatConfig.from_dict(tiny_config_dict(preset, **config_kwargs))
+    with torch.device("cpu"):
+        model = VoiceChatModel(config)
+    tokenizer = _hf_tokenizer()
+    randomize_(model, seed, tokenizer.get_vocab())
+    model.eval().requires_grad_(False)
+    model.set_tokenizer(tokenizer)
+    model.source = f"embedded {preset} model (random weights, seed {seed})"
+    return model
+
+
+def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                    preset: str = "tiny", seed: int = 0, prepare: bool = True):
+    """The embedded default: a tiny VoiceChat with random weights, built deterministically in code.
+
+    Its outputs are noise, but every stage of the real pipeline runs, so it shows the API, the
+    command line and the frame loop without a download.
+    """
+    from .model import default_device, default_dtype
+
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    model = random_model(preset, seed).to(device=device, dtype=dtype)
+    return model.prepare() if prepare else model
+
+
+QUANTIZED_PREFIXES = ("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
+
+
+def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_size: int = 64,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Write an unprepared VoiceChatModel as an mlx-community checkpoint folder (what mlx-vlm reads).
+
+    ``bits`` quantizes what the real checkpoints quantize (every Linear/Embedding of the LLM and the
+    vocabulary matrices, MLX affine, ``group_size``); other float tensors are stored in ``dtype``.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    from .quant import quantize_affine
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    modules = dict(model.named_modules())
+    quantized = {name for name, m in modules.items()
+                 if bits and name.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+                 and m.weight.shape[-1] % group_size == 0}
+    tensors = {}
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        t = t.detach().cpu()
+        if owner in quantized and leaf == "weight":
+            wq, scales, biases = quantize_affine(t.to(dtype), bits, group_size)
+            tensors[key], tensors[f"{owner}.scales"], tensors[f"{owner}.biases"] = wq, scales, biases
+        else:
+            keep32 = leaf == "A_log"
+            tensors[key] = t.to(torch.float32 if keep32 else dtype) if t.is_floating_point() else t
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "mlx"})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
+             "weight_map": {k: "model.safetensors" for k in sorted(tensors)}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = model.config.to_dict()
+    if bits:
+        config["quantization"] = config["quantization_config"] = {"group_size": group_size, "bits": bits,
+                                                                  "mode": "affine"}
+    config["architectures"] = ["NemotronVoiceChatForConditionalGeneration"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model.tokenizer.save_pretrained(str(folder))
+    rnnt = folder / "rnnt_tokenizer"
+    rnnt.mkdir(exist_ok=True)
+    (rnnt / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(model.config.rnnt_vocabulary)},
+                                                ensure_ascii=False, indent=1) + "\n")
+    return folder

@@ -307,7 +307,10 @@ def full_size_manifest(kind: str = "bf16") -> dict[str, tuple[tuple[int, ...], s
     from mlx_vlm.models.nemotron_voicechat import Model, ModelConfig
     from mlx_vlm.quant_utils import quantize_model
 
+    # The RNNT sizes must be explicit: from an empty audio_config mlx-vlm would take mlx-audio's
+    # stand-alone ASR default (13087 classes), while VoiceChat's RNNT has 1024 pieces + blank.
     cfg = {"model_type": "nemotron_voicechat", "text_config": dict(REAL_TEXT_CONFIG),
+           "audio_config": {"decoder": {"vocab_size": 1024}, "joint": {"num_classes": 1024}},
            "rnnt_vocabulary": [f"tok{i}" for i in range(1024)]}
     model = Model(ModelConfig.from_dict(cfg))
     cast = model.cast_predicate

@@ -1,0 +1,393 @@
+"""The speech codec: 31 x 1024 residual VQ codes <-> 22.05 kHz waveform through a 16-point iSTFT.
+
+Checkpoint prefix ``tts_model.audio_codec``. Decoding sums the 31 codebook rows of each code
+frame into one latent, upsamples it x9, x7, x7 with kernel = stride transposed convolutions
+interleaved with causal ConvNeXt blocks into 441 spectral frames, and turns those into 1764
+samples with an inverse real DFT (a matmul with float32 bases) and a windowed overlap-add
+(one ``conv_transpose1d``). No complex tensors and no ``torch.fft``, so it runs on mps too.
+
+Streaming (``decode_step``) keeps, per decoder ConvNeXt block, the last ``kernel - 1`` input
+frames and the last 4 spectral frames; every call then returns exactly one sample-continuous
+frame of 1764 samples, equal to the offline decode delayed by 8 samples.
+
+The encoder (waveform -> codes) is only used once per session, to encode the silent warmup
+prompt; it mirrors the reference's float32 spectrogram, which promotes every encoder layer
+and the greedy residual quantization to float32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CodecConfig
+
+__all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer"]
+
+MAX_MAGNITUDE = 100.0  # the spectral head's magnitude ceiling: |X| = 100 * sigmoid(logit - ln 100)
+ENVELOPE_FLOOR = 1e-10  # guard of the window-square overlap-add normalisation
+
+
+class ConvNeXtBlock(nn.Module):
+    """``x + pwconv2(gelu(pwconv1(norm(dwconv(causal_pad(x))))))`` on ``[B, C, T]``.
+
+    The depthwise conv is causal: ``kernel - 1`` zero frames on the left, or, when streaming,
+    the last ``kernel - 1`` input frames of the previous call. The norm is a LayerNorm over
+    channels (biased variance, eps 1e-6); the kernel-1 convs are linears over channels, so the
+    norm and the MLP run channel-last.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.context = kernel_size - 1
+        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=1e-6)
+        self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
+        self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """``state``: ``[B, C, kernel - 1]`` previous input frames, updated in place (None: zeros)."""
+        if state is None:
+            padded = F.pad(x, (self.context, 0))
+        else:
+            padded = torch.cat([state, x], dim=-1)
+            state.copy_(padded[..., -self.context:])
+        h = self.norm(self.dwconv(padded).transpose(1, 2))
+        h = F.gelu(F.linear(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
+        h = F.linear(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
+        return x + h.transpose(1, 2)
+
+
+def _stage_channels(config: CodecConfig) -> list[int]:
+    return [config.base_channels * m for m in config.channel_multipliers]
+
+
+class AudioEncoder(nn.Module):
+    """``[B, stft_channels, N]`` spectrogram -> ``[B, latent_dim, N / prod(rates)]`` latents.
+
+    ``layers``: Conv1d(18 -> C0, k1), then per stage ``blocks_per_stage`` ConvNeXt blocks and a
+    Conv1d with kernel = stride = the stage's downsample rate into the next stage's width.
+    """
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        channels = _stage_channels(config)
+        widths_out = channels[1:] + [config.latent_dim]
+        layers: list[nn.Module] = [nn.Conv1d(config.stft_channels, channels[0], 1, bias=False)]
+        for width, width_out, rate in zip(channels, widths_out, config.downsample_rates):
+            layers += [ConvNeXtBlock(width, config.block_kernel_size) for _ in range(config.blocks_per_stage)]
+            layers.append(nn.Conv1d(width, width_out, rate, stride=rate, bias=False))
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, spectrogram: torch.Tensor) -> torch.Tensor:
+        x = spectrogram.float()
+        for layer in self.layers:
+            # The reference's float32 input promotes each layer to float32: upcast the weights.
+            params = {name: p.float() for name, p in layer.named_parameters()}
+            x = torch.func.functional_call(layer, params, (x,))
+        return x
+
+
+class AudioDecoder(nn.Module):
+    """``[B, latent_dim, T]`` latents -> ``[B, stft_channels, T * prod(rates)]`` spectral features.
+
+    ``layers``: per stage (widest first) a ConvTranspose1d with kernel = stride = the rate (its
+    weight stored ``[in, out, k]``) and ``blocks_per_stage`` ConvNeXt blocks; then Conv1d(C0 -> 18, k1).
+    """
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        channels = _stage_channels(config)[::-1]
+        widths_in = [config.latent_dim] + channels[:-1]
+        layers: list[nn.Module] = []
+        for width_in, width, rate in zip(widths_in, channels, config.downsample_rates[::-1]):
+            layers.append(nn.ConvTranspose1d(width_in, width, rate, stride=rate, bias=False))
+            layers += [ConvNeXtBlock(width, config.block_kernel_size) for _ in range(config.blocks_per_stage)]
+        layers.append(nn.Conv1d(channels[-1], config.stft_channels, 1, bias=False))
+        self.layers = nn.ModuleList(layers)
+
+    @property
+    def blocks(self) -> list[ConvNeXtBlock]:
+        return [layer for layer in self.layers if isinstance(layer, ConvNeXtBlock)]
+
+    def forward(self, latents: torch.Tensor, states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``states``: one ``[B, C, kernel - 1]`` tensor per ConvNeXt block (streaming), else None."""
+        block = 0
+        for layer in self.layers:
+            if isinstance(layer, ConvNeXtBlock):
+                latents = layer(latents, None if states is None else states[block])
+                block += 1
+            else:
+                latents = layer(latents)
+        return latents
+
+
+class ScalarVariance(nn.Module):
+    """``prvq._variance_list.{q}.variance``: stored by the checkpoint, unused at inference."""
+
+    def __init__(self):
+        super().__init__()
+        self.variance = nn.Parameter(torch.ones(()))
+
+
+class ResidualVectorQuantizer(nn.Module):
+    """The codec's 31 codebooks ``mus_list.{q}`` ``[codebook_size, latent_dim]`` (not the TTS's ``rvq_embs``)."""
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        self.codebook_size = config.codebook_size
+        self.mus_list = nn.ParameterList(
+            [torch.zeros(config.codebook_size, config.latent_dim) for _ in range(config.num_quantizers)])
+        self._variance_list = nn.ModuleList([ScalarVariance() for _ in range(config.num_quantizers)])
+        # Set by fuse(): all codebooks as one [Q, K, D] tensor (mus_list.{q} become views of it).
+        self.register_buffer("codebooks", None, persistent=False)
+        self.register_buffer("code_offsets", None, persistent=False)
+
+    def fuse(self) -> None:
+        """Stack the codebooks into one tensor and re-point each ``mus_list.{q}`` at a view of it.
+
+        Keys, shapes and memory stay the same; decoding becomes one gather and one sum instead of
+        one gather per quantizer. A later ``load_state_dict`` (without ``assign``) writes through the
+        views; a move or cast (``.to()``) stacks them again.
+        """
+        stacked = torch.stack([p.detach() for p in self.mus_list])
+        for q in range(len(self.mus_list)):
+            self.mus_list[q] = nn.Parameter(stacked[q], requires_grad=self.mus_list[q].requires_grad)
+        self.codebooks = stacked
+        self.code_offsets = torch.arange(len(self.mus_list), device=stacked.device)[:, None] * self.codebook_size
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if self.codebooks is not None:  # the move copied each view on its own: share one tensor again
+            self.fuse()
+        return self
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, Q', T]`` codes (Q' <= Q) -> ``[B, T, D]`` latents, the sum of each frame's codebook rows,
+        in the codebook dtype."""
+        n_codes = codes.shape[1]
+        if self.codebooks is not None:
+            rows = self.codebooks.flatten(0, 1)[codes + self.code_offsets[:n_codes]]
+        else:
+            rows = torch.stack([self.mus_list[q][codes[:, q]] for q in range(n_codes)], dim=1)
+        return rows.sum(1)  # [B, Q', T, D] -> [B, T, D]: one reduction, so fused and unfused agree bit for bit
+
+    def encode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, T, D]`` latents -> ``[B, Q, T]`` codes: greedy nearest codebook row of the residual, per
+        quantizer in turn, in float32 (distance ``|r|^2 - 2 r.e + |e|^2``, as the reference)."""
+        residual = latents.float()
+        codes = []
+        for means in self.mus_list:
+            means = means.float()
+            distances = ((residual * residual).sum(-1, keepdim=True) - 2.0 * (residual @ means.T)
+                         + (means * means).sum(-1))
+            index = distances.argmin(-1)
+            codes.append(index)
+            residual = residual - means[index]
+        return torch.stack(codes, dim=1)
+
+
+@dataclass
+class CodecCache:
+    """Streaming state of one decode stream, fixed-size and updated in place.
+
+    ``blocks``: per decoder ConvNeXt block, its last ``kernel - 1`` input frames ``[B, C, 6]``
+    (model dtype). ``spectrum``: the last 4 spectral frames ``[B, 2 * bins, 4]`` (float32,
+    real parts then imaginary parts), the overlap of the next call's iSTFT.
+    """
+
+    blocks: list[torch.Tensor]
+    spectrum: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.spectrum.shape[0]
+
+    def clear(self) -> None:
+        """Back to the start of a stream (zero history), keeping the buffers."""
+        for state in self.blocks:
+            state.zero_()
+        self.spectrum.zero_()
+
+
+def _hann_periodic(n: int) -> list[float]:
+    return [0.5 * (1.0 - math.cos(2.0 * math.pi * i / n)) for i in range(n)]
+
+
+def _dft_tables(n_fft: int, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos(2 pi k n / N)`` and ``sin(...)`` as float32 ``[bins, n_fft]``; the Nyquist sin row is set to
+    exactly zero (``sin(pi n)`` rounds to ~1e-16), so DC and Nyquist are real as in rfft/irfft."""
+    bins = n_fft // 2 + 1
+    angles = [[2.0 * math.pi * ((k * i) % n_fft) / n_fft for i in range(n_fft)] for k in range(bins)]
+    cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float32, device=device)
+    sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float32, device=device)
+    if n_fft % 2 == 0:
+        sin[-1] = 0.0
+    return cos, sin
+
+
+class Codec(nn.Module):
+    """The 22.05 kHz, 31-codebook codec (``tts_model.audio_codec``)."""
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        if config.n_fft % config.hop_length or config.n_fft <= config.hop_length:
+            raise ValueError(f"codec n_fft {config.n_fft} must be a larger multiple of hop_length {config.hop_length}")
+        self.config = config
+        self.encoder = AudioEncoder(config)
+        self.decoder = AudioDecoder(config)
+        self.prvq = ResidualVectorQuantizer(config)
+        self.samples_per_frame = config.samples_per_frame
+        self.bins = config.n_fft // 2 + 1
+        # Offline trim of the overlap-add output (the STFT's padding): 6 / 6 samples.
+        self.trim_left = (config.n_fft - config.hop_length) // 2
+        self.trim_right = config.n_fft - config.hop_length - self.trim_left
+        # Streaming: previous spectral frames that overlap the first new samples (4), and the
+        # samples their extra overlap-add output spans on each side (8).
+        half = math.ceil(self.trim_left / config.hop_length)
+        self.spectrum_context = 2 * half
+        self.sample_delay = half * config.hop_length
+        self.init_constants()
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        """(Re)create the float32 constants: window, DFT bases, overlap-add kernel, streaming envelope."""
+        n_fft = self.config.n_fft
+        window = torch.tensor(_hann_periodic(n_fft), dtype=torch.float32, device=device)
+        cos, sin = _dft_tables(n_fft, device)
+        # rfft of the windowed frame: spectrum[k] = sum_n w[n] x[n] (cos - i sin)(2 pi k n / N).
+        analysis = torch.cat([cos, -sin]) * window
+        # irfft (c2r): x[n] = sum_k c_k (re_k cos - im_k sin) / N with c = 1 at DC and Nyquist, else 2.
+        weight = torch.full((self.bins, 1), 2.0, device=device)
+        weight[0] = 1.0
+        if n_fft % 2 == 0:
+            weight[-1] = 1.0
+        synthesis = torch.cat([cos * weight, -sin * weight]).T / n_fft
+        self.register_buffer("window", window, persistent=False)
+        self.register_buffer("analysis_basis", analysis.T.contiguous(), persistent=False)  # [n_fft, 2 * bins]
+        self.register_buffer("synthesis_basis", synthesis.contiguous(), persistent=False)  # [n_fft, 2 * bins]
+        # Overlap-add of windowed frames as a transposed conv: channel n of a frame lands at offset n.
+        self.register_buffer("ola_kernel", torch.diag(window)[:, None, :].contiguous(), persistent=False)
+        step_frames = self.samples_per_frame // self.config.hop_length + self.spectrum_context
+        self.register_buffer("step_envelope", self._envelope(step_frames), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(dtype) / .half() would round the constants: recreate them in float32 after any move or cast.
+        super()._apply(fn, recurse)
+        self.init_constants(self.window.device)
+        return self
+
+    def fuse(self) -> None:
+        """Vectorise the RVQ sum (see ``ResidualVectorQuantizer.fuse``); outputs, keys and memory are unchanged."""
+        self.prvq.fuse()
+
+    # ---- spectral head and iSTFT (float32)
+
+    def _envelope(self, num_frames: int) -> torch.Tensor:
+        """``max(sum of overlapped w^2, 1e-10)`` over the ``(num_frames - 1) * hop + n_fft`` samples."""
+        ones = torch.ones(1, 1, num_frames, device=self.window.device)
+        squared = (self.window * self.window).view(1, 1, -1)
+        return F.conv_transpose1d(ones, squared, stride=self.config.hop_length).clamp_min(ENVELOPE_FLOOR)
+
+    def _spectrum(self, features: torch.Tensor) -> torch.Tensor:
+        """``[B, 2 * bins, N]`` decoder features (magnitude logits, phases) -> float32 ``[re; im]``.
+
+        Computed in the decoder dtype, as the reference, then float32 for the iSTFT.
+        """
+        logits, phase = features.split(self.bins, dim=1)
+        magnitude = MAX_MAGNITUDE * torch.sigmoid(logits - math.log(MAX_MAGNITUDE))
+        return torch.cat([magnitude * phase.cos(), magnitude * phase.sin()], dim=1).float()
+
+    def istft(self, spectrum: torch.Tensor, envelope: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, 2 * bins, N]`` float32 spectra (real parts, then imaginary parts) -> ``[B, 1, (N-1)*hop + n_fft]``.
+
+        Inverse real DFT per frame (the imaginary parts of DC and Nyquist are ignored), each frame
+        clamped to ``[-w, w]`` and multiplied by the periodic Hann window ``w``, overlap-added at
+        the hop, and divided by the window-square envelope (``envelope``: precomputed for N frames).
+        """
+        frames = torch.matmul(self.synthesis_basis, spectrum)  # [B, n_fft, N]
+        bound = self.window[:, None]
+        frames = torch.clamp(frames, -bound, bound)
+        waveform = F.conv_transpose1d(frames, self.ola_kernel, stride=self.config.hop_length)
+        if envelope is None:
+            envelope = self._envelope(spectrum.shape[-1])
+        return waveform / envelope
+
+    # ---- decoding
+
+    def _check_codes(self, codes: torch.Tensor) -> None:
+        if codes.dim() != 3 or codes.shape[1] > self.config.num_quantizers or codes.shape[2] == 0:
+            raise ValueError(f"codes must have shape [batch, quantizers <= {self.config.num_quantizers}, frames >= 1], "
+                             f"got {list(codes.shape)}")
+        if codes.is_floating_point() or codes.is_complex():
+            raise ValueError(f"codes must be an integer tensor, got {codes.dtype}")
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[B, T, latent_dim]`` latents -> ``[B, 1, samples_per_frame * T]`` float32 waveform."""
+        spectrum = self._spectrum(self.decoder(latents.transpose(1, 2)))
+        waveform = self.istft(spectrum)
+        return waveform[..., self.trim_left: waveform.shape[-1] - self.trim_right]
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, 31, T]`` codes -> ``[B, 1, 1764 * T]`` float32 waveform (offline; checks the code range)."""
+        self._check_codes(codes)
+        low, high = (bound.item() for bound in torch.aminmax(codes))
+        if low < 0 or high >= self.config.codebook_size:
+            raise ValueError(f"codes must lie in [0, {self.config.codebook_size}), got values in [{low}, {high}]")
+        return self.decode_latents(self.prvq.decode(codes))
+
+    def new_cache(self, batch: int = 1) -> CodecCache:
+        """A zeroed streaming cache on the codec's device."""
+        first = self.prvq.mus_list[0]
+        blocks = [torch.zeros(batch, block.dwconv.in_channels, block.context, dtype=first.dtype, device=first.device)
+                  for block in self.decoder.blocks]
+        spectrum = torch.zeros(batch, 2 * self.bins, self.spectrum_context, device=first.device)
+        return CodecCache(blocks, spectrum)
+
+    def decode_step(self, codes: torch.Tensor, cache: CodecCache) -> torch.Tensor:
+        """One code frame ``[B, 31, 1]`` -> the next ``[B, 1, 1764]`` samples of the stream.
+
+        The cache's ConvNeXt frames and spectral frames are prepended, so the output continues
+        the previous call's exactly (it equals the offline decode delayed by 8 samples). No host sync.
+        """
+        self._check_codes(codes)
+        if codes.shape[2] != 1 or codes.shape[0] != cache.batch:
+            raise ValueError(f"decode_step takes one frame of codes [{cache.batch}, <= {self.config.num_quantizers}, 1] "
+                             f"(the cache's batch), got {list(codes.shape)}")
+        features = self.decoder(self.prvq.decode(codes).transpose(1, 2), cache.blocks)
+        spectrum = torch.cat([cache.spectrum, self._spectrum(features)], dim=-1)
+        cache.spectrum.copy_(spectrum[..., -self.spectrum_context:])
+        waveform = self.istft(spectrum, self.step_envelope)
+        start = self.trim_left + self.sample_delay
+        return waveform[..., start: start + self.samples_per_frame]
+
+    forward = decode
+    forward_step = decode_step
+
+    # ---- encoding (the warmup prompt)
+
+    def _spectrogram(self, waveform: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` -> ``[B, 2 * bins, N]`` float32 STFT (zero pad 6/6, periodic Hann, hop 4, no centring)."""
+        padded = F.pad(waveform.float(), (self.trim_left, self.trim_right))
+        frames = padded.unfold(-1, self.config.n_fft, self.config.hop_length)  # [B, N, n_fft]
+        return torch.matmul(frames, self.analysis_basis).transpose(1, 2)
+
+    def encode_latents(self, waveform: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, S]`` (or ``[B, S]``) waveform -> ``[B, S // 1764, latent_dim]`` float32 latents."""
+        if waveform.dim() == 3:
+            if waveform.shape[1] != 1:
+                raise ValueError(f"waveform must be mono [batch, 1, samples], got {list(waveform.shape)}")
+            waveform = waveform[:, 0]
+        if waveform.dim() != 2:
+            raise ValueError(f"waveform must have shape [batch, 1, samples], got {list(waveform.shape)}")
+        if waveform.shape[-1] < self.samples_per_frame:
+            raise ValueError(f"waveform has {waveform.shape[-1]} samples; encoding needs at least one codec frame "
+                             f"({self.samples_per_frame} samples)")
+        return self.encoder(self._spectrogram(waveform)).transpose(1, 2)
+
+    def encode(self, waveform: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, S]`` waveform -> ``[B, 31, S // 1764]`` codes (long)."""
+        return self.prvq.encode(self.encode_latents(waveform))

@@ -1,0 +1,394 @@
+"""Cache-aware FastConformer encoder and the perception projection (``stt_model.perception``).
+
+The encoder is NeMo's streaming ``ConformerEncoder`` as this checkpoint uses it: causal
+depthwise-striding subsampling (x8), macaron Conformer blocks with relative-position
+attention limited to ``left`` past frames (no look-ahead) and a causal depthwise convolution.
+
+Offline (:meth:`FastConformer.forward`) runs a whole mel sequence with the ``chunked_limited``
+mask. Streaming (:meth:`FastConformer.forward_step`) takes the log-mel front end's 1, 8, 8, ...
+frame cadence and emits one encoder frame per call, equal to the offline frame of the same
+index: each layer keeps the keys/values of its last ``left`` frames (a ring buffer, written in
+place) and the last ``kernel - 1`` GLU outputs of its convolution, and the subsampling keeps a
+small window of mel frames.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import AudioConfig, ConformerConfig
+from .mel import LogMel
+from .quant import concat_linears
+
+__all__ = ["FastConformer", "ConformerCache", "Perception", "relative_positions"]
+
+# Blocked attention entries get a large finite negative, as in the reference (not -inf).
+_MASKED = -1e30
+# Mel frames the streaming subsampling keeps before each new chunk: at least the causal receptive
+# field of the strided stack (15 frames for x8), aligned to the subsampling grid (FastConformer.mel_context).
+_MEL_CONTEXT = 16
+
+
+def relative_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
+    """Sinusoidal encodings ``[len(positions), d_model]``: sin in even, cos in odd channels (float32)."""
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)
+                         * -(math.log(10000.0) / d_model))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, bias: bool):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.silu(self.linear1(x)))
+
+
+class RelPositionAttention(nn.Module):
+    """Transformer-XL relative-position multi-head attention (NeMo ``RelPositionMultiHeadAttention``).
+
+    ``score[i, j] = ((q_i + u) . k_j + (q_i + v) . P(i - j)) / sqrt(head_dim)`` with
+    ``P = linear_pos(sinusoid)``, per head.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool):
+        super().__init__()
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.scale = self.head_dim ** -0.5
+        self.linear_q = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_k = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_v = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_out = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_pos = nn.Linear(d_model, d_model, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.head_dim))
+        self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.head_dim))
+
+    def fuse(self) -> None:
+        """One matmul for q + u, q + v, k and v: linear_q appears twice in the fused weight and the
+        position biases u, v join its bias, so the per-step bias additions disappear too."""
+        if hasattr(self, "linear_quvkv"):
+            return
+        fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
+        bias = torch.zeros_like(fused.weight[:, 0]) if fused.bias is None else fused.bias.data
+        bias[: 2 * self.d_model] += torch.cat([self.pos_bias_u.flatten(), self.pos_bias_v.flatten()]).to(bias.dtype)
+        fused.bias = nn.Parameter(bias)
+        self.linear_quvkv = fused
+        del self.linear_q, self.linear_k, self.linear_v, self.pos_bias_u, self.pos_bias_v
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q + u, q + v, k|v)`` for x [..., d]; the last is [..., 2d], keys then values."""
+        if hasattr(self, "linear_quvkv"):
+            return self.linear_quvkv(x).split([self.d_model, self.d_model, 2 * self.d_model], dim=-1)
+        q = self.linear_q(x)
+        return (q + self.pos_bias_u.flatten(), q + self.pos_bias_v.flatten(),
+                torch.cat([self.linear_k(x), self.linear_v(x)], dim=-1))
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d]; pos_emb [2T-1, d] for positions T-1 ... -(T-1); mask additive [T, T]."""
+        b, t, d = x.shape
+        heads = (b, t, self.n_heads, self.head_dim)
+        q_u, q_v, kv = self._project(x)
+        q_u, q_v = q_u.reshape(heads).transpose(1, 2), q_v.reshape(heads).transpose(1, 2)
+        k, v = kv.reshape(b, t, 2, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        p = self.linear_pos(pos_emb).view(-1, self.n_heads, self.head_dim).transpose(0, 1)  # [H, 2T-1, hd]
+        scores_pos = q_v @ p.transpose(-1, -2)  # [B, H, T, 2T-1]
+        # Relative shift: row i, column j reads position i - j, stored at column (T-1) - i + j.
+        scores_pos = scores_pos.as_strided(
+            (b, self.n_heads, t, t), (scores_pos.stride(0), scores_pos.stride(1), 2 * t - 2, 1),
+            scores_pos.storage_offset() + t - 1)
+        bias = scores_pos * self.scale + mask
+        out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=self.scale)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, d))
+
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
+                     pos: torch.Tensor) -> torch.Tensor:
+        """One frame x [1, 1, d] against the cached window.
+
+        ``kv`` [2, H, W, hd] is this layer's key/value ring buffer; the new frame is written at
+        ``slot`` and slots ``[:length]`` are attended. ``pos`` [length, d] holds, for each slot,
+        the sinusoid of its distance to the new frame, pre-multiplied by the score scale.
+        """
+        q_u, q_v, kv_new = self._project(x)
+        kv[:, :, slot] = kv_new.view(2, self.n_heads, self.head_dim)
+        # (q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s: project the query, not the window.
+        w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
+        bias = torch.bmm(q_v.view(self.n_heads, 1, self.head_dim), w_pos) @ pos.T  # [H, 1, length]
+        out = F.scaled_dot_product_attention(q_u.view(self.n_heads, 1, self.head_dim), kv[0, :, :length],
+                                             kv[1, :, :length], attn_mask=bias, scale=self.scale)
+        return self.linear_out(out.reshape(1, 1, -1))
+
+
+class ConvModule(nn.Module):
+    """Pointwise conv -> GLU -> causal depthwise conv -> LayerNorm (named ``batch_norm``) -> SiLU -> pointwise."""
+
+    def __init__(self, d_model: int, kernel_size: int, bias: bool):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.pointwise_conv1 = nn.Conv1d(d_model, 2 * d_model, 1, bias=bias)
+        self.depthwise_conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, bias=bias)
+        self.batch_norm = nn.LayerNorm(d_model)
+        self.pointwise_conv2 = nn.Conv1d(d_model, d_model, 1, bias=bias)
+
+    def _glu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.glu(F.linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias), dim=-1)
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(self.batch_norm(x)), self.pointwise_conv2.weight[..., 0], self.pointwise_conv2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
+        return self._finish(self.depthwise_conv(g).transpose(1, 2))
+
+    def forward_step(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """x [1, 1, d]; ``history`` [1, d, kernel-1] holds the previous GLU outputs (updated in place)."""
+        window = torch.cat([history, self._glu(x).transpose(1, 2)], dim=2)
+        history.copy_(window[:, :, 1:])
+        return self._finish(self.depthwise_conv(window).transpose(1, 2))
+
+
+class ConformerLayer(nn.Module):
+    def __init__(self, config: ConformerConfig):
+        super().__init__()
+        d, bias = config.d_model, config.use_bias
+        self.norm_feed_forward1 = nn.LayerNorm(d)
+        self.feed_forward1 = FeedForward(d, d * config.ff_expansion_factor, bias)
+        self.norm_self_att = nn.LayerNorm(d)
+        self.self_attn = RelPositionAttention(d, config.n_heads, bias)
+        self.norm_conv = nn.LayerNorm(d)
+        self.conv = ConvModule(d, config.conv_kernel_size, bias)
+        self.norm_feed_forward2 = nn.LayerNorm(d)
+        self.feed_forward2 = FeedForward(d, d * config.ff_expansion_factor, bias)
+        self.norm_out = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, mask)
+        x = x + self.conv(self.norm_conv(x))
+        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
+        return self.norm_out(x)
+
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_history: torch.Tensor, slot: int,
+                     length: int, pos: torch.Tensor) -> torch.Tensor:
+        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
+        x = x + self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, pos)
+        x = x + self.conv.forward_step(self.norm_conv(x), conv_history)
+        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
+        return self.norm_out(x)
+
+
+class CausalSubsampling(nn.Module):
+    """Depthwise-striding conv subsampling over the (time, frequency) image, causal in time.
+
+    ``conv`` = [Conv2d(1->C, 3x3, s2), ReLU] + [depthwise 3x3 s2, pointwise 1x1, ReLU] per further
+    stage (checkpoint indices 0, 2, 3, 5, 6). Every strided conv sees zero padding of 2 before and
+    1 after on both axes (NeMo's CausalConv2D), so a length L becomes L // 2 + 1. The padding is
+    done by the conv itself (2 on each side) and the extra trailing output dropped, which is the
+    same computation without a separate pad.
+    """
+
+    def __init__(self, config: ConformerConfig):
+        super().__init__()
+        ch = config.subsampling_conv_channels
+        layers: list[nn.Module] = [nn.Conv2d(1, ch, 3, stride=2, padding=2), nn.ReLU()]
+        for _ in range(config.num_subsampling_stages - 1):
+            layers += [nn.Conv2d(ch, ch, 3, stride=2, padding=2, groups=ch), nn.Conv2d(ch, ch, 1), nn.ReLU()]
+        self.conv = nn.ModuleList(layers)
+        freq = config.feat_in
+        for _ in range(config.num_subsampling_stages):
+            freq = freq // 2 + 1
+        self.out = nn.Linear(ch * freq, config.d_model)
+
+    def forward(self, mel: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """mel [B, T, F] -> [B, T', d_model] (only the last frame when ``last_only``)."""
+        x = mel.unsqueeze(1)  # [B, 1, T, F]
+        for layer in self.conv:
+            t, f = x.shape[-2:]
+            x = layer(x)
+            if isinstance(layer, nn.Conv2d) and layer.stride[0] == 2:
+                x = x[..., : t // 2 + 1, : f // 2 + 1]
+        if last_only:
+            x = x[:, :, -1:]
+        b, c, t, f = x.shape
+        return self.out(x.transpose(1, 2).reshape(b, t, c * f))  # channel-major flatten: index c * F' + f
+
+
+@dataclass
+class ConformerCache:
+    """Streaming state of :class:`FastConformer`, preallocated and written in place.
+
+    ``kv`` [layers, 2, heads, left+1, head_dim]: per layer a ring buffer of the keys and values of
+    the last ``left`` frames plus the current one (frame n lives in slot n mod (left+1)).
+    ``conv`` [layers, 1, d_model, kernel-1]: the last GLU outputs of each convolution module.
+    ``mel`` [1, M, features]: the subsampling's window of past mel frames, right-aligned.
+    ``consumed`` counts mel frames pushed, ``frames`` encoder frames emitted.
+    """
+
+    kv: torch.Tensor
+    conv: torch.Tensor
+    mel: torch.Tensor
+    consumed: int = 0
+    frames: int = 0
+
+
+class FastConformer(nn.Module):
+    """``forward(mel [1, T, feat_in]) -> [1, T', d_model]``; each of the 3 stride-2 stages (x8) maps
+    L -> L // 2 + 1, so the 8N + 1 mel frames of N audio frames give N + 1 encoder frames."""
+
+    def __init__(self, config: ConformerConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.d_model = config.d_model
+        self.left = config.left_context
+        self.subsampling = config.subsampling_factor
+        self.xscale = math.sqrt(config.d_model) if config.xscaling else None
+        self.pre_encode = CausalSubsampling(config)
+        self.layers = nn.ModuleList(ConformerLayer(config) for _ in range(config.n_layers))
+        # Streaming keeps M mel frames with M = 16 + ((1 - 16) mod 8) = 17: the 1, 8, 8, ... cadence
+        # leaves consumed = 1 (mod 8), so the window always starts on the subsampling grid.
+        self.mel_context = _MEL_CONTEXT + (1 - _MEL_CONTEXT) % self.subsampling
+        self.init_constants()
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        # Streaming positional table, by ring slot offset m: distance (W - m) mod W, times the
+        # score scale. Rolled by the frame index it gives each slot the distance of its frame.
+        window = self.left + 1
+        distance = (window - torch.arange(window, device=device)) % window
+        scale = (self.d_model // self.config.n_heads) ** -0.5
+        self.register_buffer("stream_pos", relative_positions(distance, self.d_model) * scale, persistent=False)
+
+    def fuse(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+
+    def _check_mel(self, mel: torch.Tensor, where: str) -> torch.Tensor:
+        if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[2] != self.config.feat_in:
+            raise ValueError(f"FastConformer.{where}: expected mel [1, T, {self.config.feat_in}], "
+                             f"got shape {tuple(mel.shape)}")
+        return mel.to(self.pre_encode.out.weight.dtype)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = self.pre_encode(self._check_mel(mel, "forward"))
+        if self.xscale is not None:
+            x = x * self.xscale
+        t = x.shape[1]
+        idx = torch.arange(t, device=x.device)
+        pos_emb = relative_positions(t - 1 - torch.arange(2 * t - 1, device=x.device), self.d_model).to(x.dtype)
+        lag = idx[:, None] - idx[None, :]
+        mask = torch.where((lag >= 0) & (lag <= self.left), 0.0, _MASKED).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, pos_emb, mask)
+        return x
+
+    def new_cache(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> ConformerCache:
+        ref = self.pre_encode.out.weight
+        dtype, device = dtype or ref.dtype, device or ref.device
+        cfg = self.config
+        n = cfg.n_layers
+        return ConformerCache(
+            kv=torch.zeros(n, 2, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
+            conv=torch.zeros(n, 1, cfg.d_model, cfg.conv_kernel_size - 1, dtype=dtype, device=device),
+            mel=torch.zeros(1, self.mel_context, cfg.feat_in, dtype=dtype, device=device))
+
+    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> torch.Tensor:
+        """Push mel frames [1, k, feat_in] (k = 1 first, then 8) and return the next encoder frame [1, 1, d]."""
+        mel_frames = self._check_mel(mel_frames, "forward_step")
+        k = mel_frames.shape[1]
+        expected = 1 if cache.consumed == 0 else self.subsampling
+        if k != expected:
+            raise ValueError(
+                f"FastConformer.forward_step: got {k} mel frames after {cache.consumed} consumed; the cached "
+                f"encoder needs the 1, {self.subsampling}, {self.subsampling}, ... cadence (expected {expected}), "
+                f"which emits exactly one encoder frame per call")
+        m = self.mel_context
+        kept = min(cache.consumed, m)
+        window = torch.cat([cache.mel[:, m - kept:], mel_frames], dim=1)
+        cache.consumed += k
+        kept = min(cache.consumed, m)
+        cache.mel[:, m - kept:] = window[:, -kept:]
+
+        x = self.pre_encode(window, last_only=True)
+        if self.xscale is not None:  # as offline (and NeMo); the reference's cached path skips it
+            x = x * self.xscale
+        n = cache.frames
+        slots = self.left + 1
+        length = min(n + 1, slots)
+        pos = torch.roll(self.stream_pos, n % slots, dims=0)[:length].to(x.dtype)
+        for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
+            x = layer.forward_step(x, kv, conv, n % slots, length, pos)
+        cache.frames = n + 1
+        return x
+
+
+class _Featurizer(nn.Module):
+    """NeMo's featurizer buffers as stored in the checkpoint (``window``, ``fb``).
+
+    The reference drops them and rebuilds the front end from the config (:class:`LogMel`), so
+    they are loaded for a strict state dict but never used.
+    """
+
+    def __init__(self, n_fft: int, win_length: int, features: int):
+        super().__init__()
+        self.register_buffer("window", torch.zeros(win_length))
+        self.register_buffer("fb", torch.zeros(1, features, n_fft // 2 + 1))
+
+
+class Perception(nn.Module):
+    """``stt_model.perception``: FastConformer + ``proj`` (d_model -> LLM width).
+
+    ``forward(mel)`` / ``forward_step(mel_frames, cache)`` return ``(projected, encoded)``:
+    ``encoded`` feeds the RNNT transcript, ``projected`` the language model.
+    """
+
+    def __init__(self, config: AudioConfig):
+        super().__init__()
+        pre, enc = config.preprocessor, config.encoder
+        self.preprocessor = nn.Module()
+        self.preprocessor.featurizer = _Featurizer(pre.n_fft, pre.win_length, pre.features)
+        self.encoder = FastConformer(enc)
+        self.proj = nn.Linear(enc.d_model, config.output_dim, bias=True)
+        # One encoder frame = hop * subsampling input samples (1280 = 80 ms).
+        self.frame_samples = pre.hop_length * enc.subsampling_factor
+        self.log_mel = LogMel(pre, lookahead_samples=self.frame_samples)
+        # The reference's uncached fallback recomputes over the last left + right + 1 frames of audio.
+        self.uncached_window_frames = max(2, enc.left_context + enc.right_context + 1)
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        self.log_mel.init_constants(device)
+        self.encoder.init_constants(device)
+
+    def fuse(self) -> None:
+        self.encoder.fuse()
+
+    def new_cache(self) -> ConformerCache:
+        return self.encoder.new_cache()
+
+    def forward(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.encoder(mel)
+        return self.proj(encoded), encoded
+
+    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.encoder.forward_step(mel_frames, cache)
+        return self.proj(encoded), encoded
+
+    def uncached_frame(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's cache-free path: mel + encoder over the last window of ``samples`` (the
+        audio so far), keeping encoder frame -2 (the last one sees the STFT's right-edge padding).
+        Returns ``(projected [1, 1, H], encoded [1, 1, d])``."""
+        window = samples.reshape(-1)[-self.uncached_window_frames * self.frame_samples:]
+        encoded = self.encoder(self.log_mel(window))
+        if encoded.shape[1] < 2:
+            raise ValueError(f"Perception.uncached_frame: {window.shape[0]} samples give {encoded.shape[1]} "
+                             "encoder frame(s); at least 2 are needed")
+        encoded = encoded[:, -2:-1]
+        return self.proj(encoded), encoded

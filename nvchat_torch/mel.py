@@ -1,0 +1,207 @@
+"""NeMo log-mel front end (``AudioToMelSpectrogramPreprocessor`` at inference), offline and streaming.
+
+Per frame: preemphasis 0.97 (applied to the raw signal, before the STFT's reflect padding),
+a symmetric Hann window of ``win_length`` centred in ``n_fft``, the power spectrum ``|X|^2``,
+a Slaney mel filterbank and ``log(mel + guard)``. No dither, no normalisation. Frame ``i`` is
+centred on sample ``i * hop``; ``N`` samples give ``N // hop + 1`` frames.
+
+The STFT is one matmul of the framed signal with windowed real DFT bases (cos and sin), so the
+module needs no complex tensors, no FFT and no float64, and runs on cpu, cuda and mps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import PreprocessorConfig
+
+__all__ = ["LogMel", "MelCache", "slaney_mel_filterbank"]
+
+
+def _hz_to_slaney_mel(hz: float) -> float:
+    """Slaney's mel scale: linear below 1 kHz (200/3 Hz per mel), logarithmic above."""
+    if hz < 1000.0:
+        return hz / (200.0 / 3.0)
+    return 15.0 + math.log(hz / 1000.0) / (math.log(6.4) / 27.0)
+
+
+def _lerp_grid(start: float, stop: float, n: int, device) -> torch.Tensor:
+    """``n`` evenly spaced float32 points as ``(1 - t) * start + t * stop``, the reference's rounding.
+
+    The filter feet are tiny weights on strong neighbouring bins, so the grid's last-bit rounding
+    shows in the low-energy mel bins; this form reproduces the reference's grid bit for bit.
+    """
+    t = torch.arange(n, dtype=torch.float32, device=device) / (n - 1)
+    return (1.0 - t) * start + t * stop
+
+
+def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, device=None) -> torch.Tensor:
+    """Slaney-normalised triangular mel filters ``[n_mels, n_fft // 2 + 1]`` over 0..sample_rate/2.
+
+    Built in float32 as the reference does (librosa builds the same matrix in float64; the two
+    differ by about 1e-6).
+    """
+    bin_hz = _lerp_grid(0.0, sample_rate // 2, n_fft // 2 + 1, device)
+    mels = _lerp_grid(0.0, _hz_to_slaney_mel(sample_rate / 2), n_mels + 2, device)
+    log_step = math.log(6.4) / 27.0
+    edges_hz = torch.where(mels >= 15.0, 1000.0 * torch.exp(log_step * (mels - 15.0)), (200.0 / 3.0) * mels)
+    widths = edges_hz[1:] - edges_hz[:-1]  # [n_mels + 1]
+    offsets = edges_hz[None, :] - bin_hz[:, None]  # [bins, n_mels + 2]
+    rising = -offsets[:, :-2] / widths[:-1]
+    falling = offsets[:, 2:] / widths[1:]
+    triangles = torch.clamp(torch.minimum(rising, falling), min=0.0)
+    area_norm = 2.0 / (edges_hz[2:] - edges_hz[:-2])
+    return (triangles * area_norm).T.contiguous()
+
+
+@dataclass
+class MelCache:
+    """Streaming state of :class:`LogMel`: the retained raw samples and the frame counters.
+
+    ``samples`` holds raw (not preemphasised) input from absolute sample ``start`` on: two
+    frames of look-behind before the next frame's centre (which covers the window's left half
+    and the preemphasis predecessor) plus what is not yet covered by the lookahead.
+    """
+
+    samples: torch.Tensor
+    start: int = 0  # absolute index of samples[0]
+    total: int = 0  # samples pushed so far
+    next_frame: int = 0  # first frame not yet emitted
+    closed: bool = False
+
+
+class LogMel(nn.Module):
+    """``forward(audio [N] or [1, N]) -> [1, N // hop + 1, features]`` float32 log-mel.
+
+    Streaming: :meth:`forward_step` emits the hop-aligned frames whose centres trail the input
+    edge by ``lookahead_samples`` (1280 = one 80 ms frame, the reference session's rule), so
+    pushing 1280 samples at a time yields 1, 8, 8, ... frames; :meth:`flush` emits the rest.
+    The joined stream equals the offline result.
+    """
+
+    def __init__(self, config: PreprocessorConfig, lookahead_samples: int = 1280):
+        super().__init__()
+        config.validate()
+        if lookahead_samples < config.n_fft // 2:
+            raise ValueError(f"LogMel: lookahead_samples {lookahead_samples} must cover half the STFT window "
+                             f"({config.n_fft // 2} samples)")
+        self.config = config
+        self.n_fft = config.n_fft
+        self.hop = config.hop_length
+        self.win_length = config.win_length
+        self.features = config.features
+        self.preemph = float(config.preemph or 0.0)
+        self.log_guard = float(config.log_zero_guard_value)
+        self.lookahead = lookahead_samples
+        # Samples kept before the next frame's centre: half a window plus the preemphasis predecessor.
+        self.lookbehind_frames = math.ceil((self.n_fft // 2 + 1) / self.hop)
+        self.init_constants()
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        n_fft, n_bins = self.n_fft, self.n_fft // 2 + 1
+        left = (n_fft - self.win_length) // 2
+        window = torch.zeros(n_fft, dtype=torch.float32, device=device)
+        window[left:left + self.win_length] = torch.hann_window(
+            self.win_length, periodic=False, dtype=torch.float32, device=device)
+        # Real DFT bases; n*k is reduced mod n_fft in integers so the angles stay exact in float32.
+        n = torch.arange(n_fft, device=device)
+        phase = (n[:, None] * torch.arange(n_bins, device=device)[None, :]) % n_fft
+        angle = phase.to(torch.float32) * (2.0 * math.pi / n_fft)
+        basis = torch.cat([torch.cos(angle), torch.sin(angle)], dim=1) * window[:, None]  # [n_fft, 2 * bins]
+        self.register_buffer("window", window, persistent=False)
+        self.register_buffer("dft_basis", basis, persistent=False)
+        self.register_buffer("filterbank", slaney_mel_filterbank(
+            self.config.sample_rate, n_fft, self.features, device=device), persistent=False)
+
+    # ---- shared math
+
+    def _preemphasize(self, x: torch.Tensor) -> torch.Tensor:
+        """``y[n] = x[n] - a*x[n-1]``, with ``y[0] = x[0]`` (only meaningful when x starts the signal)."""
+        if self.preemph <= 0.0:
+            return x
+        return torch.cat([x[:1], x[1:] - self.preemph * x[:-1]])
+
+    def _log_mel(self, padded: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """Log-mel of ``count`` frames whose windows start at ``padded[first + i*hop]`` -> [1, count, F]."""
+        segment = padded[first:first + (count - 1) * self.hop + self.n_fft]
+        frames = segment.unfold(0, self.n_fft, self.hop)  # [count, n_fft], a strided view
+        spectrum = (frames @ self.dft_basis).view(count, 2, -1)
+        power = spectrum.square().sum(dim=1)
+        mel = power @ self.filterbank.T
+        return torch.log(mel + self.log_guard).unsqueeze(0)
+
+    def _check_audio(self, audio: torch.Tensor, where: str) -> torch.Tensor:
+        if audio.dim() == 2 and audio.shape[0] == 1:
+            audio = audio[0]
+        if audio.dim() != 1:
+            raise ValueError(f"LogMel.{where}: expected mono audio [N] or [1, N], got shape {tuple(audio.shape)}")
+        return audio.to(device=self.dft_basis.device, dtype=torch.float32)
+
+    # ---- offline
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        audio = self._check_audio(audio, "forward")
+        pad = self.n_fft // 2
+        if audio.shape[0] <= pad:
+            raise ValueError(f"LogMel.forward: {audio.shape[0]} samples is too short for the centred STFT "
+                             f"(reflect padding needs at least {pad + 1})")
+        y = self._preemphasize(audio)
+        padded = torch.cat([y[1:pad + 1].flip(0), y, y[-pad - 1:-1].flip(0)])
+        return self._log_mel(padded, 0, audio.shape[0] // self.hop + 1)
+
+    # ---- streaming
+
+    def new_cache(self) -> MelCache:
+        return MelCache(samples=torch.zeros(0, dtype=torch.float32, device=self.dft_basis.device))
+
+    def forward_step(self, samples: torch.Tensor, cache: MelCache) -> torch.Tensor:
+        """Push any number of samples; return the newly complete frames ``[1, k, features]``."""
+        if cache.closed:
+            raise RuntimeError("LogMel.forward_step: this MelCache was flushed; start a new one")
+        samples = self._check_audio(samples, "forward_step")
+        return self._advance(cache, samples, final=False)
+
+    def flush(self, cache: MelCache) -> torch.Tensor:
+        """Emit the frames left at the end of the stream (right edge reflect-padded) and close the cache."""
+        if cache.closed:
+            raise RuntimeError("LogMel.flush: this MelCache was already flushed")
+        return self._advance(cache, cache.samples[:0], final=True)
+
+    def _advance(self, cache: MelCache, samples: torch.Tensor, final: bool) -> torch.Tensor:
+        buffer = torch.cat([cache.samples, samples]) if samples.shape[0] else cache.samples
+        cache.total += samples.shape[0]
+        if final:
+            cache.closed = True
+            end_frame = cache.total // self.hop + 1
+        else:
+            centre = cache.total - self.lookahead
+            end_frame = centre // self.hop + 1 if centre >= 0 else 0
+        count = end_frame - cache.next_frame
+        if count <= 0:
+            cache.samples = buffer
+            return buffer.new_zeros(1, 0, self.features)
+
+        pad = self.n_fft // 2
+        if final and cache.total <= pad:
+            raise ValueError(f"LogMel.flush: {cache.total} samples in the whole stream is too short for the "
+                             f"centred STFT (reflect padding needs at least {pad + 1})")
+        y = self._preemphasize(buffer)  # y[0] is wrong unless start == 0, but then it is never read
+        origin = cache.start  # absolute sample index of padded[0]
+        if cache.start == 0 and cache.next_frame * self.hop < pad:  # the true start: reflect
+            y = torch.cat([y[1:pad + 1].flip(0), y])
+            origin -= pad
+        if final:
+            y = torch.cat([y, y[-pad - 1:-1].flip(0)])
+        mel = self._log_mel(y, cache.next_frame * self.hop - pad - origin, count)
+
+        cache.next_frame = end_frame
+        keep_from = max(end_frame - self.lookbehind_frames, 0) * self.hop
+        if keep_from > cache.start:
+            buffer = buffer[keep_from - cache.start:].clone()  # clone: do not pin the whole pushed chunk
+            cache.start = keep_from
+        cache.samples = buffer
+        return mel

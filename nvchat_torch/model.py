@@ -1,0 +1,249 @@
+"""The whole NemotronLabs VoiceChat model and its loader.
+
+``VoiceChatModel`` has the checkpoint's module tree, so its state_dict keys are the checkpoint's:
+
+* ``stt_model`` (:class:`DuplexSTTModel`): ``embed_tokens``, ``llm`` (Nemotron-H), ``lm_head``,
+  ``function_head``, ``perception`` (log-mel + FastConformer + ``proj``), ``rnnt_decoder``, ``rnnt_joint``;
+* ``tts_model`` (:class:`~nvchat_torch.tts.SpeechDecoder`): EAR-TTS, the codec, the speaker prompt,
+  silence and control codes.
+
+:func:`load_model` builds the tree on the ``meta`` device (no memory), swaps in packed modules for
+what the checkpoint quantizes (when weights stay packed), then assigns the checkpoint's tensors one
+at a time on the target device: the model is never held twice. After loading it applies the
+documented speed-up transforms (:meth:`VoiceChatModel.prepare`): fused QKV / gate-up / head
+projections and, for 4-bit weights on a device with the kernel, torch's int4pack matmul.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
+from .config import QuantSpec, VoiceChatConfig
+from .conformer import Perception
+from .events import StreamingOptions, VoiceChatResult
+from .nemotron_h import NemotronHModel, fuse_heads
+from .quant import QuantizedEmbedding, pack_int4, quantize_modules
+from .rnnt import RnntDecoder, RnntJoint, RnntTranscriber
+from .tts import SpeechDecoder, TTSPrompt
+
+__all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
+
+
+class DuplexSTTModel(nn.Module):
+    """``stt_model``: perception, the RNNT transcript branch, and the Nemotron-H LLM with its
+    shared token embedding and two vocabulary heads (text and function call)."""
+
+    def __init__(self, config: VoiceChatConfig):
+        super().__init__()
+        t = config.text_config
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        self.llm = NemotronHModel(t)
+        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.function_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.perception = Perception(config.audio_config)
+        self.rnnt_decoder = RnntDecoder(config.audio_config.decoder)
+        self.rnnt_joint = RnntJoint(config.audio_config.joint)
+
+
+class VoiceChatModel(nn.Module):
+    """NemotronLabs VoiceChat: 16 kHz user audio in, text / function / transcript / 22.05 kHz speech out.
+
+    Use :func:`load_model` (a checkpoint) or :func:`nvchat_torch.load_tiny_model` (random weights),
+    then :meth:`generate` (offline) or :meth:`create_streaming_session` (80 ms frames).
+    """
+
+    def __init__(self, config: VoiceChatConfig):
+        super().__init__()
+        self.config = config
+        self.stt_model = DuplexSTTModel(config)
+        self.tts_model = SpeechDecoder(config.tts_config, config.codec_config,
+                                       pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id)
+        self.tokenizer = None
+        self.fused_heads: nn.Module | None = None  # set by prepare(): lm_head and function_head as one matmul
+        self._tts_prompt: TTSPrompt | None = None
+        self.source = "random weights"
+
+    # ---- parts the sessions drive (not registered: their weights live in stt_model)
+    @property
+    def transcriber(self) -> RnntTranscriber:
+        stt = self.stt_model
+        return RnntTranscriber(stt.rnnt_decoder, stt.rnnt_joint, self.config.rnnt_blank_id,
+                               self.config.audio_config.max_symbols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.stt_model.perception.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stt_model.perception.proj.weight.dtype
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
+        self.stt_model.perception.init_constants(device)
+        self.tts_model.init_constants(device)
+
+    def prepare(self, int4: bool = True) -> "VoiceChatModel":
+        """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
+        fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul, stacked codebooks,
+        and 4-bit packed linears on torch's int4pack kernel where the device has it."""
+        self.stt_model.perception.fuse()
+        self.stt_model.llm.fuse()
+        self.tts_model.fuse()
+        self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
+        if int4:
+            pack_int4(self, dtype=self.dtype)
+        return self
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tts_model.tts_model.set_vocabulary(tokenizer.get_vocab())
+
+    def tts_prompt(self) -> TTSPrompt:
+        """The speaker warmup prompt: deterministic per checkpoint, so computed once (it runs the codec encoder)."""
+        if self._tts_prompt is None:
+            with torch.inference_mode():
+                self._tts_prompt = self.tts_model.prompt()
+        return self._tts_prompt
+
+    def describe(self) -> str:
+        t = self.config.text_config
+        packed = sorted({f"{m.spec.mode} {m.spec.bits}-bit" for m in self.modules() if hasattr(m, "spec")})
+        n = sum(p.numel() for p in self.parameters())
+        return (f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
+                f"{n / 1e6:.1f} M stored parameters{', packed ' + '/'.join(packed) if packed else ''}, "
+                f"{self.dtype} on {self.device}")
+
+    # ---- inference
+    def create_streaming_session(self, options: StreamingOptions | None = None, **kwargs):
+        """A new 80 ms streaming session with its own caches (sessions on one model are independent)."""
+        from .session import StreamingSession
+
+        if options is None:
+            options = StreamingOptions(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either a StreamingOptions or keyword options, not both")
+        return StreamingSession(self, options)
+
+    def generate(self, audio, system_prompt: str | None = None, seed: int = 0, deterministic: bool = False,
+                 *, max_frames: int | None = None, extra_decoding_seconds: float = 0.0,
+                 use_language_cache: bool = True) -> VoiceChatResult:
+        """One offline turn over the whole ``audio`` (16 kHz mono array/tensor, or a file path)."""
+        from .session import generate_offline
+
+        return generate_offline(self, audio, system_prompt=system_prompt, seed=seed, deterministic=deterministic,
+                                max_frames=max_frames, extra_decoding_seconds=extra_decoding_seconds,
+                                use_language_cache=use_language_cache)
+
+
+# --------------------------------------------------------------------------------------
+# Building and loading
+
+
+def default_device() -> torch.device:
+    """mps > cuda > cpu."""
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU (exact parity with the reference); bfloat16 on cuda and mps."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def build_model(config: VoiceChatConfig, device: torch.device | str = "meta",
+                packed: dict[str, QuantSpec] | None = None,
+                scale_dtypes: dict[str, torch.dtype] | None = None) -> VoiceChatModel:
+    """The module tree for ``config`` on ``device`` (``meta``: shapes only), with the modules in
+    ``packed`` swapped for their packed counterparts (the checkpoint's quantized layout)."""
+    with torch.device(device):
+        model = VoiceChatModel(config)
+    if packed:
+        quantize_modules(model, packed, scale_dtypes)
+    return model
+
+
+# Checkpoints converted by other tools may hold convolution weights in MLX's channels-last layout:
+# permutations that bring them to PyTorch's, tried only when the stored shape does not fit.
+_TO_TORCH_LAYOUT = {4: [(0, 3, 1, 2)], 3: [(0, 2, 1), (2, 0, 1)]}
+
+
+def _assign(model: nn.Module, key: str, tensor: torch.Tensor, where: Path) -> None:
+    owner_path, _, name = key.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        owner = None
+    slot = None if owner is None else (owner._parameters if name in owner._parameters else
+                                       owner._buffers if name in owner._buffers else None)
+    if slot is None:
+        raise CheckpointError(f"{where}: unexpected tensor '{key}' (the model has no such parameter or buffer)")
+    current = slot[name]
+    if tuple(tensor.shape) != tuple(current.shape):
+        for perm in _TO_TORCH_LAYOUT.get(tensor.dim(), []):
+            if tuple(tensor.permute(perm).shape) == tuple(current.shape):
+                tensor = tensor.permute(perm).contiguous()
+                break
+        else:
+            raise CheckpointError(f"{where}: '{key}' has shape {list(tensor.shape)}, the model expects "
+                                  f"{list(current.shape)}")
+    if slot is owner._parameters:
+        slot[name] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        slot[name] = tensor
+
+
+def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None, weights: str = "auto", *, prepare: bool = True) -> VoiceChatModel:
+    """Load a NemotronLabs VoiceChat checkpoint (local folder or Hub repo id) for inference.
+
+    ``device``: None = mps > cuda > cpu. ``dtype``: None = float32 on cpu, bfloat16 on cuda/mps.
+    ``weights``: "packed" keeps the checkpoint's quantized matrices packed (4-bit: 8.6 GB instead of
+    22 GB); "dequantized" expands them to ``dtype``; "auto" keeps them packed when the checkpoint is
+    quantized. ``prepare``: apply the speed-up transforms (:meth:`VoiceChatModel.prepare`); pass
+    False for a model whose state_dict is exactly the checkpoint's.
+    """
+    if weights not in ("auto", "packed", "dequantized"):
+        raise ValueError(f"weights must be 'auto', 'packed' or 'dequantized', got {weights!r}")
+    folder = resolve_checkpoint(path_or_repo_id)
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    with Checkpoint(folder) as ckpt:
+        quantized = ckpt.quantized_modules()
+        packed = quantized if weights in ("auto", "packed") else {}
+        scale_dtypes = {p: ckpt.get(f"{p}.scales").dtype for p in packed}
+        model = build_model(ckpt.config, "meta", packed, scale_dtypes)
+        for module in model.modules():
+            if isinstance(module, QuantizedEmbedding):
+                module.output_dtype = dtype
+        expected = set(model.state_dict())
+        seen = set()
+        for key, tensor in ckpt.iter_tensors(dtype=dtype, device=device, keep_packed=bool(packed)):
+            _assign(model, key, tensor, ckpt.file_of(key) if key in ckpt else folder)
+            seen.add(key)
+        missing = sorted(expected - seen)
+        if missing:
+            raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs, "
+                                  f"e.g. {', '.join(missing[:5])}")
+    model.init_constants(device)
+    model.eval().requires_grad_(False)
+    model.source = str(path_or_repo_id)
+    model.set_tokenizer(load_tokenizer(folder))
+    return model.prepare() if prepare else model
+
+
+def load_tokenizer(folder: Path):
+    """The LLM tokenizer shipped with the checkpoint (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not (Path(folder) / "tokenizer.json").exists():
+        raise CheckpointError(f"{folder}: no tokenizer.json (the LLM tokenizer is part of the checkpoint)")
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))

@@ -1,0 +1,495 @@
+"""Nemotron-H, the VoiceChat language model: Mamba-2, attention (no RoPE) and relu² MLP blocks.
+
+Checkpoint prefix ``stt_model.llm``; the fused input (``stt_model.embed_tokens``) and both
+vocabulary heads (``stt_model.lm_head``, ``stt_model.function_head``) sit beside it and are
+served by :func:`fused_input` and :func:`language_heads`.
+
+Dtype policy (the MLX reference's promotion rules, parity traps 5-7). Activations are never
+cast to a "model dtype": every op runs in the promoted dtype of its operands, as in MLX, so
+fp32 inputs with bf16 weights run in fp32 (plain ``nn.Linear`` needs weights in the activation
+dtype; the packed ``QuantizedLinear`` dequantizes to it), and bf16 inputs with bf16 weights
+run in bf16.
+
+* SSM state: always float32 (``dt`` is computed in float32, so the state update is).
+* Conv state: takes the first input's dtype (MLX makes the initial zeros in it); a wider input
+  later promotes it for good (MLX concatenates the state with the input).
+* KV cache: the first write sets the buffer dtype (MLX allocates on the first update); later
+  writes are rounded to the buffer dtype, until the buffer grows by a 256-slot block, which
+  promotes it (MLX concatenates the new block).
+* ``A_log`` stays float32 whatever the model dtype (``.to(dtype)`` leaves it alone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TextConfig
+from .quant import QuantizedLinear, concat_linears
+
+__all__ = [
+    "MambaCache",
+    "KVCache",
+    "LanguageCache",
+    "NemotronHMamba2Mixer",
+    "NemotronHAttention",
+    "NemotronHMLP",
+    "NemotronHBlock",
+    "NemotronHModel",
+    "fused_input",
+    "language_heads",
+    "fuse_heads",
+    "HeadOutputs",
+]
+
+KV_BLOCK = 256  # the KV cache grows by this many slots (MLX KVCache.step)
+SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting)."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return y if weight is None else y * weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """``y * silu(gate)`` (the gate comes first), RMS-normalised per group of channels, times weight."""
+
+    def __init__(self, size: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = (y * F.silu(gate)).unflatten(-1, (self.groups, -1))
+        return rms_norm(y, None, self.eps).flatten(-2) * self.weight
+
+
+# --------------------------------------------------------------------------------------
+# Caches (owned by the caller, made by NemotronHModel.new_cache)
+
+
+@dataclass
+class MambaCache:
+    conv_state: torch.Tensor  # [B, K-1, conv_dim]: the last K-1 raw (pre-conv) xBC rows
+    ssm_state: torch.Tensor  # [B, heads, head_dim, state] float32
+    offset: int = 0  # positions consumed so far
+
+
+@dataclass
+class KVCache:
+    keys: torch.Tensor  # [B, kv_heads, capacity, head_dim]; valid up to offset
+    values: torch.Tensor
+    offset: int = 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, kv_heads, L, head_dim]`` at ``offset``; return all keys and values so far."""
+        end = self.offset + keys.shape[2]
+        if self.offset == 0 and keys.dtype != self.keys.dtype:  # MLX allocates on the first write, in its dtype
+            self.keys = self.keys.new_zeros(self.keys.shape, dtype=keys.dtype)
+            self.values = self.values.new_zeros(self.values.shape, dtype=values.dtype)
+        if end > self.keys.shape[2]:
+            self.keys = self._grown(self.keys, end, keys.dtype)
+            self.values = self._grown(self.values, end, values.dtype)
+        self.keys[:, :, self.offset:end] = keys
+        self.values[:, :, self.offset:end] = values
+        self.offset = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _grown(self, buf: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
+        """A larger buffer, whole blocks, in the promoted dtype (MLX concatenates a new block)."""
+        capacity = -(-needed // KV_BLOCK) * KV_BLOCK
+        out = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[3]), dtype=torch.promote_types(buf.dtype, dtype))
+        out[:, :, :self.offset] = buf[:, :, :self.offset]
+        return out
+
+
+@dataclass
+class LanguageCache:
+    layers: list[MambaCache | KVCache | None]  # one per layer, None for MLP layers
+    offset: int = 0  # positions consumed so far
+
+
+# --------------------------------------------------------------------------------------
+# Mamba-2
+
+
+def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over a sequence in chunks (Mamba-2's SSD form), equal to the per-token recurrence.
+
+    x [b, L, H, P], dt [b, L, H] float32, A [H] float32, B and C [b, L, G, N] (head h reads group
+    h // (H/G)), state [b, H, P, N] float32 or None (zeros). Returns y [b, L, H, P] float32
+    (without the D skip) and the final state.
+    """
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    R = H // G
+    ys = []
+    for start in range(0, L, SSD_CHUNK):
+        xc, dtc = x[:, start:start + SSD_CHUNK], dt[:, start:start + SSD_CHUNK]
+        Bc, Cc = B[:, start:start + SSD_CHUNK], C[:, start:start + SSD_CHUNK]
+        s = xc.shape[1]
+        a = (dtc * A).transpose(1, 2)  # [b, H, s] log-decay per step
+        dtx = (dtc.unsqueeze(-1) * xc).transpose(1, 2)  # [b, H, s, P]
+        # seg[t, u] = sum of a over (u, t]: a cumulative sum of a strictly lower-triangular copy,
+        # which avoids the cancellation of cumsum[t] - cumsum[u].
+        seg = a.unsqueeze(-1).expand(b, H, s, s).tril(-1).cumsum(-2)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        decay = seg.exp().masked_fill(~causal, 0.0)
+        CB = torch.einsum("btgn,bugn->bgtu", Cc, Bc).float()  # [b, G, s, s]
+        y = (CB.unsqueeze(2) * decay.view(b, G, R, s, s)).view(b, H, s, s) @ dtx
+        # State at the chunk end: every input decayed from its step to the last one.
+        Bg = Bc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
+        weighted = (dtx * decay[:, :, -1, :].unsqueeze(-1)).view(b, G, R, s, P)
+        new_state = (weighted.transpose(-1, -2) @ Bg).view(b, H, P, N)
+        if state is not None:
+            cum = a.cumsum(-1)  # [b, H, s]
+            Cg = Cc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
+            y_prev = (Cg @ state.view(b, G, R, P, N).transpose(-1, -2)).view(b, H, s, P)
+            y = y + cum.exp().unsqueeze(-1) * y_prev
+            new_state = new_state + cum[..., -1].exp()[..., None, None] * state
+        state = new_state
+        ys.append(y.transpose(1, 2))
+    return torch.cat(ys, 1) if len(ys) > 1 else ys[0], state
+
+
+class NemotronHMamba2Mixer(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.state_size = config.ssm_state_size
+        self.kernel = config.conv_kernel
+        self.d_inner = config.mamba_d_inner
+        self.conv_dim = config.mamba_conv_dim
+        lo, hi = config.time_step_limit
+        # The reference clips dt to time_step_limit; the default (0, inf) cannot change softplus's output.
+        self.dt_min = lo if lo > 0.0 else None
+        self.dt_max = hi if math.isfinite(hi) else None
+        self.in_proj = nn.Linear(config.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
+                                 bias=config.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
+                                bias=config.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedRMSNorm(self.d_inner, self.n_groups, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
+
+    def _apply(self, fn, recurse=True):
+        # A_log stays float32 whatever the model dtype, as in the reference (its cast predicate).
+        a_log = self.A_log.data
+        super()._apply(fn, recurse)
+        if a_log.dtype == torch.float32 and self.A_log.dtype != torch.float32:
+            self.A_log.data = a_log.to(self.A_log.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Some Nemotron-H exports pad in_proj with 2*d_mlp unused leading rows; adopt the stored width
+        # (the children load after this hook, so the resized in_proj receives the tensor).
+        stored = state_dict.get(prefix + "in_proj.weight")
+        if stored is not None and stored.shape[0] != self.in_proj.out_features:
+            extra = stored.shape[0] - (self.d_inner + self.conv_dim + self.num_heads)
+            if extra < 0 or extra % 2:
+                raise ValueError(f"'{prefix}in_proj.weight' has {stored.shape[0]} rows; expected "
+                                 f"{self.d_inner + self.conv_dim + self.num_heads} plus an even padding")
+            old = self.in_proj
+            device = old.weight.device
+            if isinstance(old, QuantizedLinear):
+                self.in_proj = QuantizedLinear(old.in_features, stored.shape[0], old.bias is not None, old.spec,
+                                               old.scales.dtype, device)
+            else:
+                self.in_proj = nn.Linear(old.in_features, stored.shape[0], bias=old.bias is not None,
+                                         device=device, dtype=old.weight.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+        """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU."""
+        keep = self.kernel - 1
+        if cache is None:
+            window = F.pad(xBC, (0, 0, keep, 0))
+        else:
+            state = cache.conv_state
+            if cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
+                state = state.to(xBC.dtype)
+            window = torch.cat((state, xBC), 1)
+            tail = window[:, -keep:]
+            if tail.dtype == cache.conv_state.dtype:
+                cache.conv_state.copy_(tail)
+            else:  # a wider input promotes the state, as MLX's concatenation does
+                cache.conv_state = tail.clone()
+            cache.offset += xBC.shape[1]
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        if window.dtype == weight.dtype:
+            out = F.conv1d(window.transpose(1, 2), weight, bias, groups=self.conv_dim).transpose(1, 2)
+        else:
+            # Mixed dtypes (which F.conv1d refuses) promote as in MLX: float32 taps rounded once to
+            # the promoted dtype, then the bias.
+            taps = window.unfold(1, self.kernel, 1).float() * weight[:, 0].float()
+            out = taps.sum(-1).to(torch.promote_types(window.dtype, weight.dtype))
+            if bias is not None:
+                out = out + bias
+        return F.silu(out)
+
+    def _ssm_step(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  state: torch.Tensor) -> torch.Tensor:
+        """One token of S <- exp(dt A) S + dt x (x) B; y = S C, in place on ``state``, all heads at once.
+
+        x [b, H, P], dt [b, H] float32, B and C [b, G, N]; returns y [b, H, P] float32.
+        """
+        b, H, P = x.shape
+        G, N = B.shape[1:]
+        state.mul_(torch.exp(dt * A)[..., None, None])
+        grouped = state.view(b, G, H // G * P, N)
+        grouped.addcmul_((x * dt.unsqueeze(-1)).view(b, G, -1, 1), B.unsqueeze(2))
+        y = grouped.view(b * G, -1, N) @ C.reshape(b * G, N, 1).float()
+        return y.view(b, H, P)
+
+    def forward(self, x: torch.Tensor, cache: MambaCache | None = None) -> torch.Tensor:
+        b, L, _ = x.shape
+        projected = self.in_proj(x)
+        pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
+        z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
+        xBC = self._conv(xBC, cache)
+        gn = self.n_groups * self.state_size
+        xs, B, C = xBC.split((self.d_inner, gn, gn), dim=-1)
+        xs = xs.reshape(b, L, self.num_heads, self.head_dim)
+        B = B.reshape(b, L, self.n_groups, self.state_size)
+        C = C.reshape(b, L, self.n_groups, self.state_size)
+        dt = F.softplus(dt.float() + self.dt_bias)
+        if self.dt_min is not None or self.dt_max is not None:
+            dt = dt.clamp(self.dt_min, self.dt_max)
+        A = -torch.exp(self.A_log.float())
+        if cache is not None and L == 1:
+            y = self._ssm_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], cache.ssm_state).unsqueeze(1)
+        else:
+            y, state = _ssd_scan(xs, dt, A, B, C, None if cache is None else cache.ssm_state)
+            if cache is not None:
+                cache.ssm_state.copy_(state)
+        y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])  # the D skip
+        return self.out_proj(self.norm(y.reshape(b, L, self.d_inner), z))
+
+
+# --------------------------------------------------------------------------------------
+# Attention (GQA, no positional encoding) and MLP
+
+
+class NemotronHAttention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.qkv_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One QKV matmul instead of three (state_dict keys change: a post-load transform)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, L, _ = x.shape
+        kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split((self.num_heads * d, kv * d, kv * d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        k = k.view(b, L, kv, d).transpose(1, 2)
+        v = v.view(b, L, kv, d).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        S = k.shape[2]
+        # Query head h reads KV head h // rep: group the rep query heads (and their L rows) per KV head.
+        q = (q * self.scale).view(b, L, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * L, d)
+        dtype = q.dtype if q.dtype == k.dtype else torch.promote_types(q.dtype, k.dtype)
+        scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2)  # [b, kv, rep*L, S]
+        if L > 1:  # causal, the queries being the last L of the S positions
+            allowed = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
+            scores = scores.view(b, kv, rep, L, S).masked_fill(~allowed, float("-inf")).view(b, kv, rep * L, S)
+        probs = scores.softmax(-1, dtype=torch.float32).to(dtype)
+        out = (probs @ v.to(dtype)).view(b, kv, rep, L, d).permute(0, 3, 1, 2, 4).reshape(b, L, -1)
+        return self.o_proj(out)
+
+
+class NemotronHMLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+_MIXERS = {"M": NemotronHMamba2Mixer, "*": NemotronHAttention, "-": NemotronHMLP}
+
+
+class NemotronHBlock(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``."""
+
+    def __init__(self, config: TextConfig, block_type: str):
+        super().__init__()
+        if block_type not in _MIXERS:
+            raise ValueError(f"hybrid_override_pattern: unsupported layer type {block_type!r} "
+                             f"(supported: {', '.join(_MIXERS)})")
+        self.block_type = block_type
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = _MIXERS[block_type](config)
+
+    def forward(self, x: torch.Tensor, cache: MambaCache | KVCache | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        return x + (self.mixer(h) if self.block_type == "-" else self.mixer(h, cache))
+
+
+# --------------------------------------------------------------------------------------
+# The model
+
+
+class NemotronHModel(nn.Module):
+    """Nemotron-H without token embeddings (``stt_model.llm``): fused input embeddings -> final hidden."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(NemotronHBlock(config, t) for t in config.hybrid_override_pattern)
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def new_cache(self, batch: int = 1, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LanguageCache:
+        """Empty caches, one per layer. ``dtype`` (default: the model's) is the conv/KV buffers'
+        initial dtype; see the module docstring for how activations of another dtype promote them."""
+        cfg = self.config
+        device = self.norm_f.weight.device if device is None else device
+        dtype = self.norm_f.weight.dtype if dtype is None else dtype
+        layers: list[MambaCache | KVCache | None] = []
+        for block_type in cfg.hybrid_override_pattern:
+            if block_type == "M":
+                layers.append(MambaCache(
+                    torch.zeros(batch, cfg.conv_kernel - 1, cfg.mamba_conv_dim, device=device, dtype=dtype),
+                    torch.zeros(batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
+                                device=device, dtype=torch.float32)))
+            elif block_type == "*":
+                shape = (batch, cfg.num_key_value_heads, KV_BLOCK, cfg.head_dim)
+                layers.append(KVCache(torch.zeros(shape, device=device, dtype=dtype),
+                                      torch.zeros(shape, device=device, dtype=dtype)))
+            else:
+                layers.append(None)
+        return LanguageCache(layers)
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: LanguageCache | None = None) -> torch.Tensor:
+        """``[B, T, hidden]`` -> ``[B, T, hidden]`` after ``norm_f``. Without a cache the pass is causal
+        over T from an empty state; with one it continues from the cache and advances it by T."""
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"inputs_embeds must be [batch, time, {self.config.hidden_size}], "
+                             f"got {list(inputs_embeds.shape)}")
+        if cache is not None:
+            self._check_cache(cache, inputs_embeds.shape[0])
+        h = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.offset += inputs_embeds.shape[1]
+        return self.norm_f(h)
+
+    def forward_step(self, inputs_embeds: torch.Tensor, cache: LanguageCache) -> torch.Tensor:
+        """One position: ``[B, 1, hidden]`` -> ``[B, 1, hidden]``, advancing ``cache`` (no host syncs)."""
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] != 1:
+            raise ValueError(f"forward_step takes one position, [batch, 1, {self.config.hidden_size}], "
+                             f"got {list(inputs_embeds.shape)}")
+        return self.forward(inputs_embeds, cache)
+
+    def _check_cache(self, cache: LanguageCache, batch: int) -> None:
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(self.layers)}: "
+                             "make it with this model's new_cache()")
+        for i, (layer, entry) in enumerate(zip(self.layers, cache.layers)):
+            expected = {"M": MambaCache, "*": KVCache, "-": type(None)}[layer.block_type]
+            if not isinstance(entry, expected):
+                raise ValueError(f"cache layer {i} is {type(entry).__name__}, layer {i} ({layer.block_type!r}) "
+                                 f"needs {expected.__name__}: make it with this model's new_cache()")
+        first = next((c for c in cache.layers if c is not None), None)
+        cached_batch = None if first is None else (
+            first.ssm_state if isinstance(first, MambaCache) else first.keys).shape[0]
+        if cached_batch is not None and cached_batch != batch:
+            raise ValueError(f"inputs_embeds has batch {batch}, the cache batch {cached_batch}")
+
+    def fuse(self) -> None:
+        """Merge each attention layer's q/k/v projections into one matmul; outputs are unchanged."""
+        for layer in self.layers:
+            if isinstance(layer.mixer, NemotronHAttention):
+                layer.mixer.fuse()
+
+
+# --------------------------------------------------------------------------------------
+# Fused input and vocabulary heads (modules stt_model.{embed_tokens,lm_head,function_head})
+
+
+def fused_input(embed_tokens: nn.Module, prev_text_id: torch.Tensor, audio_embedding: torch.Tensor,
+                prev_function_id: torch.Tensor, weight: float) -> torch.Tensor:
+    """The LLM input of one timeline position: ``E(text) + audio + weight * E(function)``.
+
+    Ids are integer device tensors of shape ``audio_embedding.shape[:-1]`` (e.g. ``[B, 1]``); both
+    go through one embedding lookup. ``weight`` is ``function_channel_weight`` (2.0).
+    """
+    if prev_text_id.shape != audio_embedding.shape[:-1] or prev_function_id.shape != prev_text_id.shape:
+        raise ValueError(f"ids {list(prev_text_id.shape)} (text) and {list(prev_function_id.shape)} (function) "
+                         f"must both have the shape {list(audio_embedding.shape[:-1])} of audio_embedding "
+                         "without its last axis")
+    text, function = embed_tokens(torch.stack((prev_text_id, prev_function_id)))
+    return (text + audio_embedding) + weight * function
+
+
+@dataclass
+class HeadOutputs:
+    text_logits: torch.Tensor  # [..., vocab]
+    function_logits: torch.Tensor  # [..., vocab]
+    ids: torch.Tensor  # [..., 2] int64: greedy (text id, function id), first maximum on ties
+
+    @property
+    def text_ids(self) -> torch.Tensor:
+        return self.ids[..., 0]
+
+    @property
+    def function_ids(self) -> torch.Tensor:
+        return self.ids[..., 1]
+
+
+def fuse_heads(lm_head: nn.Module, function_head: nn.Module) -> nn.Module:
+    """``lm_head`` and ``function_head`` as one linear (outputs concatenated), for :func:`language_heads`."""
+    return concat_linears([lm_head, function_head])
+
+
+def language_heads(hidden: torch.Tensor, lm_head: nn.Module, function_head: nn.Module | None = None) -> HeadOutputs:
+    """Both heads' logits and greedy ids from the LLM's hidden state, all on the device.
+
+    With ``function_head=None``, ``lm_head`` is the fused module from :func:`fuse_heads`.
+    """
+    if function_head is None:
+        both = lm_head(hidden).unflatten(-1, (2, -1))  # [..., 2, vocab]
+        return HeadOutputs(both[..., 0, :], both[..., 1, :], both.argmax(-1))
+    text, function = lm_head(hidden), function_head(hidden)
+    return HeadOutputs(text, function, torch.stack((text.argmax(-1), function.argmax(-1)), -1))

@@ -1,0 +1,191 @@
+"""RNNT transcript head (``stt_model.rnnt_decoder``, ``stt_model.rnnt_joint``) and greedy decoding.
+
+The prediction network is an embedding and a multi-layer LSTM (torch's own, with both bias
+vectors as stored); the joint adds projections of an encoder frame and a prediction, then
+ReLU and a linear over ``vocab + 1`` classes, the last being blank. The start state feeds the
+LSTM a zero vector (not the blank row of the embedding) with zero hidden state.
+
+Greedy decoding per encoder frame: emit the argmax until it is blank or ``max_symbols`` were
+emitted; a blank changes nothing. :meth:`RnntTranscriber.step` runs those ``max_symbols``
+iterations unconditionally on the device with masked updates, so a frame costs no host read;
+the session reads the frame's ids once and feeds them to :class:`TranscriptText`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RnntDecoderConfig, RnntJointConfig
+
+__all__ = ["RnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
+           "is_special_piece", "decode_pieces"]
+
+_LANGUAGE_TAG = re.compile(r"^<[a-z]{2,3}-[A-Za-z]{2,4}>$")
+_SPECIAL_PIECES = frozenset({"<unk>", "<pad>", "<s>", "</s>"})
+
+
+class RnntDecoder(nn.Module):
+    """Prediction network: ``prediction.embed`` [vocab + 1, H] and ``prediction.dec_rnn.lstm``.
+
+    The LSTM state travels packed as ``hc`` [2 * layers, 1, H]: h of every layer, then c.
+    ``nn.LSTM`` holds the weights under their checkpoint names; steps run ``torch.lstm_cell`` per
+    layer (a fused kernel on cuda), which on CPU also avoids the oneDNN RNN path, slow for
+    one-token steps.
+    """
+
+    def __init__(self, config: RnntDecoderConfig):
+        super().__init__()
+        config.validate()
+        self.hidden = config.pred_hidden
+        self.layers = config.pred_rnn_layers
+        self.prediction = nn.ModuleDict({
+            "embed": nn.Embedding(config.vocab_size + 1, config.pred_hidden),  # + blank (blank_as_pad)
+            "dec_rnn": nn.ModuleDict({"lstm": nn.LSTM(config.pred_hidden, config.pred_hidden,
+                                                      config.pred_rnn_layers, batch_first=True)}),
+        })
+
+    def zero_state(self) -> torch.Tensor:
+        w = self.prediction["embed"].weight
+        return torch.zeros(2 * self.layers, 1, self.hidden, dtype=w.dtype, device=w.device)
+
+    def step(self, x: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+        """One LSTM step: input x [1, H], state hc [2 * layers, 1, H] -> the new hc (its h[-1] is the output)."""
+        lstm = self.prediction["dec_rnn"]["lstm"]
+        hs, cs = [], []
+        for layer in range(self.layers):
+            x, c = torch.lstm_cell(x, (hc[layer], hc[self.layers + layer]),
+                                   *(getattr(lstm, f"{name}_l{layer}")
+                                     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")))
+            hs.append(x)
+            cs.append(c)
+        return torch.stack(hs + cs)
+
+    def forward(self, tokens: torch.Tensor | None, hc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, U] (None: the start symbol, a zero input) -> (outputs [1, U, H], final hc)."""
+        hc = self.zero_state() if hc is None else hc
+        if tokens is None:
+            inputs = hc.new_zeros(1, 1, self.hidden)
+        else:
+            inputs = self.prediction["embed"](tokens)
+        outputs = []
+        for u in range(inputs.shape[1]):
+            hc = self.step(inputs[:, u], hc)
+            outputs.append(hc[self.layers - 1])
+        return torch.stack(outputs, dim=1), hc
+
+
+class RnntJoint(nn.Module):
+    """``joint_net(enc(e) + pred(p))`` with ``joint_net`` = (ReLU, Identity, Linear) as NeMo names it."""
+
+    def __init__(self, config: RnntJointConfig):
+        super().__init__()
+        config.validate()
+        self.enc = nn.Linear(config.encoder_hidden, config.joint_hidden)
+        self.pred = nn.Linear(config.pred_hidden, config.joint_hidden)
+        self.joint_net = nn.Sequential(nn.ReLU(), nn.Identity(), nn.Linear(config.joint_hidden, config.num_classes + 1))
+
+    def forward(self, encoded: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+        """encoded [B, T, D_enc], prediction [B, U, D_pred] -> logits [B, T, U, classes]."""
+        return self.joint_net(self.enc(encoded)[:, :, None] + self.pred(prediction)[:, None])
+
+
+@dataclass
+class RnntState:
+    """Greedy decoding state: ``hc`` [2 * layers + 1, 1, H] = LSTM h per layer, c per layer, and the
+    prediction-network output for the last emitted token (what the joint consumes next)."""
+
+    hc: torch.Tensor
+
+
+class RnntTranscriber(nn.Module):
+    """Greedy RNNT decoding over encoder frames, offline and one frame at a time."""
+
+    def __init__(self, decoder: RnntDecoder, joint: RnntJoint, blank_id: int, max_symbols: int):
+        super().__init__()
+        n_classes = joint.joint_net[2].out_features
+        if blank_id != n_classes - 1:
+            raise ValueError(f"RnntTranscriber: blank_id {blank_id} must be the joint's last class ({n_classes - 1})")
+        self.decoder = decoder
+        self.joint = joint
+        self.blank_id = blank_id
+        self.max_symbols = max_symbols
+
+    def new_state(self) -> RnntState:
+        out, _ = self.decoder(None)  # the start symbol's prediction; the LSTM state stays zero
+        return RnntState(hc=torch.cat([self.decoder.zero_state(), out.transpose(0, 1)]))
+
+    def step(self, encoded_frame: torch.Tensor, state: RnntState) -> torch.Tensor:
+        """Decode one encoder frame [1, 1, D]; returns ``[max_symbols]`` long ids (-1 = none) and
+        updates ``state``. Special pieces (language tags, <unk>) are returned too: they advance the
+        prediction network, and :class:`TranscriptText` leaves them out of the text."""
+        decoder, layers = self.decoder, self.decoder.layers
+        embed = decoder.prediction["embed"]
+        pred = self.joint.pred
+        # enc(e) + pred(p) as one addmm per symbol: the frame's projection rides in the bias.
+        frame_bias = self.joint.enc(encoded_frame.reshape(1, -1)) + pred.bias
+        hc = state.hc
+        active = None
+        tokens, kept = [], []
+        for _ in range(self.max_symbols):
+            token = self.joint.joint_net(F.linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [1]
+            emitted = token != self.blank_id
+            active = emitted if active is None else active & emitted
+            # The candidate state is computed every time and kept only while tokens are being emitted.
+            new = decoder.step(embed(token), hc[:2 * layers])
+            hc = torch.where(active, torch.cat([new, new[layers - 1:layers]]), hc)
+            tokens.append(token)
+            kept.append(active)
+        state.hc = hc
+        return torch.where(torch.cat(kept), torch.cat(tokens), -1)
+
+    @torch.no_grad()
+    def greedy_decode(self, encoded: torch.Tensor) -> list[int]:
+        """Transcript ids of ``encoded`` [1, T, D] (special pieces' ids included; reads the host once)."""
+        if encoded.dim() != 3 or encoded.shape[0] != 1:
+            raise ValueError(f"RnntTranscriber.greedy_decode: expected encoded [1, T, D], got {tuple(encoded.shape)}")
+        state = self.new_state()
+        ids = torch.stack([self.step(encoded[:, t:t + 1], state) for t in range(encoded.shape[1])])
+        return [i for i in ids.flatten().tolist() if i >= 0]
+
+
+def is_special_piece(piece: str) -> bool:
+    """``<unk>``, ``<pad>``, ``<s>``, ``</s>`` and language tags such as ``<en-US>``."""
+    return piece in _SPECIAL_PIECES or bool(_LANGUAGE_TAG.match(piece))
+
+
+def decode_pieces(ids: Iterable[int], vocabulary: list[str]) -> str:
+    """Join SentencePiece pieces (``\u2581`` -> space), skipping specials and ids outside the vocabulary."""
+    pieces = (vocabulary[i] for i in ids if 0 <= i < len(vocabulary))
+    return "".join(p.replace("\u2581", " ") for p in pieces if not is_special_piece(p))
+
+
+class TranscriptText:
+    """Host-side transcript: takes each frame's ids once and reports ``(delta, text)`` when it grew.
+
+    ``delta`` is the new suffix of ``text``, or the whole text when an earlier part changed;
+    ``update`` returns None when the frame appended no token (blank, -1 or special pieces only).
+    """
+
+    def __init__(self, vocabulary: list[str]):
+        self.vocabulary = list(vocabulary)
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def is_special(self, token: int) -> bool:
+        return 0 <= token < len(self.vocabulary) and is_special_piece(self.vocabulary[token])
+
+    def update(self, ids: Iterable[int]) -> tuple[str, str] | None:
+        new = [i for i in ids if i >= 0 and not self.is_special(i)]
+        if not new:
+            return None
+        self.tokens.extend(new)
+        text = decode_pieces(self.tokens, self.vocabulary).strip()
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta, text

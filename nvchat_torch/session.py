@@ -1,0 +1,342 @@
+"""The 80 ms frame loop: the streaming session and the offline turn.
+
+Per 1280-sample frame (``StreamingSession._audio_frame``): streaming log-mel -> one FastConformer
+frame -> projection; RNNT step; fused LLM input -> greedy text and function ids; EAR-TTS step ->
+31 codes; codec step -> 1764 samples. Everything stays on the device, ids and codes feed the next
+step there, and the frame's outputs are packed into one tensor that is read once, so a frame costs
+one host sync (plus one per stage when profiling).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .audio_io import as_mono_float32, prepare_input
+from .events import (
+    ContextLimit,
+    FrameTiming,
+    StreamingOptions,
+    TokenAccumulator,
+    VoiceChatEvent,
+    VoiceChatProfile,
+    VoiceChatResult,
+)
+from .nemotron_h import fused_input, language_heads
+from .rnnt import TranscriptText
+
+__all__ = ["StreamingSession", "generate_offline"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class _Timeline:
+    """What the offline and streaming paths share: the LLM and TTS timeline from caller-owned caches."""
+
+    def __init__(self, model, seed: int, deterministic: bool, use_language_cache: bool):
+        self.model = model
+        self.config = cfg = model.config
+        self.device = model.device
+        self.deterministic = deterministic
+        stt = model.stt_model
+        self.embed, self.llm = stt.embed_tokens, stt.llm
+        self.heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
+        self.language_cache = stt.llm.new_cache() if use_language_cache else None
+        self.history: list[torch.Tensor] = []
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        # Seeded before the warmup, as the reference; the warmup itself draws nothing.
+        self.tts_cache = model.tts_model.tts_model.new_cache()
+        model.tts_model.tts_model.warmup(model.tts_prompt(), self.tts_cache)
+        self.previous_code = model.tts_prompt().codes[:, -1:].clone()  # all mask: a zero code embedding
+        self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
+        self.prev_text = self.prev_function = self.pad
+        self.silence = model.tts_model.codec_silence_tokens.to(torch.long).view(1, 1, -1)
+        self.index = 0  # timeline position (prompt steps included)
+        self.last_hidden: torch.Tensor | None = None
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        text = self.config.default_system_prompt if system_prompt is None else system_prompt
+        if not text.strip():
+            return []
+        cfg = self.config
+        return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
+
+    def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
+        """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""
+        fused = fused_input(self.embed, self.prev_text, user, self.prev_function,
+                            self.config.function_channel_weight)
+        if self.language_cache is not None:
+            hidden = self.llm.forward_step(fused, self.language_cache)
+        else:  # diagnostic: recompute the whole history every step
+            self.history.append(fused)
+            hidden = self.llm(torch.cat(self.history, dim=1))[:, -1:]
+        self.last_hidden = hidden  # for diagnostics (nvchat_torch.parity); no host read
+        if not generate:
+            self.prev_text = self.prev_function = self.pad
+            return None
+        ids = language_heads(hidden, *self.heads).ids.view(2)
+        self.prev_text, self.prev_function = ids[0].view(1, 1), ids[1].view(1, 1)
+        return ids
+
+    def speech(self, text_id: torch.Tensor) -> torch.Tensor:
+        """One TTS step for this timeline position's text id ``[1]``: codes ``[1, 1, Q]``. Position 0
+        runs no TTS and gives the silence codes; EOS resets the previous codes to silence first."""
+        if self.index == 0:
+            codes = self.silence
+        else:
+            self.previous_code = self.model.tts_model.step(self.previous_code, text_id, self.tts_cache,
+                                                           self.generator, self.deterministic)
+            codes = self.previous_code
+        self.index += 1
+        return codes
+
+
+class StreamingSession:
+    """One full-duplex conversation: push 16 kHz audio, get frame-aligned events back.
+
+    Create it with :meth:`VoiceChatModel.create_streaming_session`. The session owns every cache
+    (log-mel, Conformer, RNNT, LLM, TTS, codec), so several sessions can share one model.
+    """
+
+    def __init__(self, model, options: StreamingOptions):
+        self.model = model
+        self.options = options
+        cfg = self.config = model.config
+        self.frame_samples = cfg.input_frame_samples
+        self.max_frames = (None if options.max_streaming_seconds is None
+                           else int(options.max_streaming_seconds / cfg.frame_duration))
+        self.frame_index = 0
+        self.closed = False
+        self.profile = VoiceChatProfile(frame_duration_ms=cfg.frame_duration * 1000.0)
+        self._pending = np.zeros(0, dtype=np.float32)
+        perception = model.stt_model.perception
+        self._perception = perception
+        self._transcriber = model.transcriber
+        with torch.inference_mode():
+            self._timeline = _Timeline(model, options.seed, options.deterministic, options.use_language_cache)
+            if options.use_perception_cache:
+                self._mel_cache = perception.log_mel.new_cache()
+                self._conformer_cache = perception.new_cache()
+            else:
+                window = perception.uncached_window_frames * self.frame_samples
+                self._audio_window = torch.zeros(0, dtype=torch.float32, device=model.device)
+                self._window_samples = window
+            self._rnnt_state = self._transcriber.new_state()
+            self._codec_cache = model.tts_model.audio_codec.new_cache()
+            for token_id in self._timeline.prompt_ids(options.system_prompt):
+                # Prefill: the prompt rides on the user channel with the output channels off (PAD),
+                # advancing the LLM and TTS timeline; no codec, no events, frame_index stays 0.
+                user = self._timeline.embed(torch.tensor([[token_id]], device=model.device))
+                self._timeline.language(user, generate=False)
+                self._timeline.speech(self._timeline.pad.view(1))
+        skip = {cfg.pad_token_id, cfg.silence_token_id, cfg.bos_token_id, cfg.eos_token_id}
+        self._text = TokenAccumulator(model.tokenizer, skip)
+        self._function = TokenAccumulator(model.tokenizer, skip)
+        self._transcript = TranscriptText(cfg.rnnt_vocabulary)
+
+    # ---- public state
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def function_text(self) -> str:
+        return self._function.text
+
+    @property
+    def user_transcript(self) -> str:
+        return self._transcript.text
+
+    @property
+    def timeline_index(self) -> int:
+        return self._timeline.index
+
+    # ---- input
+    def push_audio(self, samples, sample_rate: int = 16000) -> list[VoiceChatEvent]:
+        """Buffer ``samples`` (mono float32/float64/int16, array or tensor, any length) and run one
+        timeline step per complete 1280-sample frame; returns those frames' events."""
+        if self.closed:
+            raise RuntimeError("push_audio: the session is closed (flushed or cancelled); create a new one")
+        chunk = as_mono_float32(samples, sample_rate, self.config.input_sample_rate)
+        pending = np.concatenate([self._pending, chunk]) if self._pending.size else chunk
+        n_frames = pending.shape[0] // self.frame_samples
+        self._pending = pending[n_frames * self.frame_samples:].copy()
+        if not n_frames:
+            return []
+        frames = torch.from_numpy(pending[:n_frames * self.frame_samples]).to(self.model.device)
+        events: list[VoiceChatEvent] = []
+        for frame in frames.view(n_frames, self.frame_samples):
+            events += self._audio_frame(frame)
+        return events
+
+    def flush(self, pad_partial: bool = True) -> list[VoiceChatEvent]:
+        """End the stream: zero-pad and run the partial frame if asked, close, emit ``done``."""
+        if self.closed:
+            return []
+        events: list[VoiceChatEvent] = []
+        if self._pending.size and pad_partial:
+            frame = np.zeros(self.frame_samples, dtype=np.float32)
+            frame[:self._pending.size] = self._pending
+            self._pending = np.zeros(0, dtype=np.float32)
+            events += self._audio_frame(torch.from_numpy(frame).to(self.model.device))
+        self._close()
+        events.append(VoiceChatEvent(kind="done", frame_index=self.frame_index))
+        return events
+
+    def cancel(self) -> list[VoiceChatEvent]:
+        """Drop pending audio, close, emit ``cancelled``."""
+        if self.closed:
+            return []
+        self._close()
+        return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
+
+    def _close(self) -> None:
+        self._pending = np.zeros(0, dtype=np.float32)
+        with torch.inference_mode():  # the caches are inference tensors
+            self._codec_cache.clear()
+        self.closed = True
+
+    # ---- the frame loop
+    def _audio_frame(self, frame: torch.Tensor) -> list[VoiceChatEvent]:
+        if self.max_frames is not None and self.frame_index >= self.max_frames:
+            raise ContextLimit(f"the session reached max_streaming_seconds={self.options.max_streaming_seconds} "
+                               f"({self.max_frames} frames of {self.config.frame_duration * 1000:.0f} ms)")
+        profile = self.options.profile
+        device = self.model.device
+        stamps = [time.perf_counter()]
+
+        def mark() -> None:
+            if profile:
+                _synchronize(device)
+                stamps.append(time.perf_counter())
+
+        with torch.inference_mode():
+            if self.options.use_perception_cache:
+                mel = self._perception.log_mel.forward_step(frame, self._mel_cache)
+                projected, encoded = self._perception.forward_step(mel, self._conformer_cache)
+            else:
+                self._audio_window = torch.cat([self._audio_window, frame])[-self._window_samples:]
+                projected, encoded = self._perception.uncached_frame(self._audio_window)
+            mark()
+            transcript_ids = self._transcriber.step(encoded, self._rnnt_state)
+            mark()
+            ids = self._timeline.language(projected, generate=True)
+            mark()
+            codes = self._timeline.speech(ids[:1])
+            mark()
+            clean = self.model.tts_model.replace_control_codes(codes)
+            samples = self.model.tts_model.audio_codec.decode_step(clean.transpose(1, 2), self._codec_cache)
+            if samples.shape[-1] != self.config.output_frame_samples:
+                raise RuntimeError(f"the codec returned {samples.shape[-1]} samples for one frame, "
+                                   f"expected {self.config.output_frame_samples}")
+            # One host read per frame: transcript ids, text/function ids, codes and samples together
+            # (ids < 2**24 are exact in float32).
+            packed = torch.cat([transcript_ids.float(), ids.float(), clean.reshape(-1).float(),
+                                samples.reshape(-1).float()]).numpy(force=True)
+        stamps.append(time.perf_counter())
+        events = self._frame_events(packed)
+        if profile:
+            p, r, lm, tts, codec = np.diff(stamps) * 1000.0
+            self.profile.frames.append(FrameTiming(self.frame_index, p, r, lm, tts, codec,
+                                                   (stamps[-1] - stamps[0]) * 1000.0))
+        self.frame_index += 1
+        return events
+
+    def _frame_events(self, packed: np.ndarray) -> list[VoiceChatEvent]:
+        n_rnnt = self.config.audio_config.max_symbols
+        q = self.config.tts_config.num_quantizers
+        transcript_ids = packed[:n_rnnt].astype(np.int64)
+        text_id, function_id = int(packed[n_rnnt]), int(packed[n_rnnt + 1])
+        codes = packed[n_rnnt + 2:n_rnnt + 2 + q].astype(np.int32)
+        samples = packed[n_rnnt + 2 + q:].astype(np.float32)
+        i = self.frame_index
+        events = []
+        update = self._transcript.update(transcript_ids.tolist())
+        if update is not None:
+            events.append(VoiceChatEvent("user_transcript_delta", i, delta=update[0], text=update[1]))
+        for kind, acc, token in (("assistant_text_delta", self._text, text_id),
+                                 ("function_delta", self._function, function_id)):
+            update = acc.append(token)
+            if update is not None:
+                events.append(VoiceChatEvent(kind, i, token_id=token, delta=update[0], text=update[1]))
+        events.append(VoiceChatEvent("audio", i, samples=samples, sample_rate=self.config.output_sample_rate,
+                                     audio_codes=codes))
+        return events
+
+
+# --------------------------------------------------------------------------------------
+# Offline
+
+
+def _load_audio(audio, sample_rate: int) -> np.ndarray:
+    if isinstance(audio, (str, Path)):
+        samples, _ = prepare_input(audio, sample_rate)
+        return samples
+    return as_mono_float32(audio, sample_rate, sample_rate)
+
+
+def generate_offline(model, audio, *, system_prompt: str | None, seed: int, deterministic: bool,
+                     max_frames: int | None, extra_decoding_seconds: float,
+                     use_language_cache: bool) -> VoiceChatResult:
+    """One turn over the whole input, as the reference's ``VoiceChatSession.generate``: the mel and
+    encoder run over the whole waveform (N frames of audio give N + 1 encoder frames), the system
+    prompt is prepended on the user channel, timeline position 0 runs no TTS (its codes are 0),
+    and the codes are decoded in one codec pass."""
+    cfg = model.config
+    wave = _load_audio(audio, cfg.input_sample_rate)
+    if extra_decoding_seconds < 0:
+        raise ValueError(f"extra_decoding_seconds must be >= 0, got {extra_decoding_seconds}")
+    if extra_decoding_seconds:
+        wave = np.concatenate([wave, np.zeros(round(extra_decoding_seconds * cfg.input_sample_rate), np.float32)])
+    if max_frames is not None and max_frames < 2:
+        raise ValueError(f"max_frames must be at least 2, got {max_frames}")
+    device = model.device
+    perception = model.stt_model.perception
+    with torch.inference_mode():
+        mel = perception.log_mel(torch.from_numpy(wave).to(device))
+        projected, encoded = perception(mel)
+        frames = projected.shape[1] if max_frames is None else min(projected.shape[1], max_frames)
+        projected, encoded = projected[:, :frames], encoded[:, :frames]
+        timeline = _Timeline(model, seed, deterministic, use_language_cache)
+        prompt = timeline.prompt_ids(system_prompt)
+        if prompt:
+            embeds = model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype)
+            user = torch.cat([embeds, projected], dim=1)
+        else:
+            user = projected
+        n_prompt = len(prompt)
+        pad = timeline.pad.view(1).repeat(2)
+        ids, codes = [], []
+        for t in range(user.shape[1]):
+            step_ids = timeline.language(user[:, t:t + 1], generate=t >= n_prompt)
+            step_ids = pad if step_ids is None else step_ids
+            step_codes = timeline.speech(step_ids[:1])
+            if t >= n_prompt:
+                ids.append(step_ids)
+                codes.append(torch.zeros_like(step_codes) if t == 0 else step_codes)
+        codes = model.tts_model.replace_control_codes(torch.cat(codes, dim=1))  # [1, frames, Q]
+        audio_out = model.tts_model.audio_codec.decode(codes.transpose(1, 2))[0, 0]
+        transcript_ids = model.transcriber.greedy_decode(encoded)
+        ids = torch.stack(ids).cpu().numpy()
+        codes_np = codes[0].to(torch.int32).cpu().numpy()
+        audio_np = audio_out.float().cpu().numpy()
+    skip = {cfg.pad_token_id, cfg.silence_token_id, cfg.bos_token_id, cfg.eos_token_id}
+    transcript = TranscriptText(cfg.rnnt_vocabulary)
+    transcript.update(transcript_ids)
+
+    def decode(channel: np.ndarray) -> str:
+        return model.tokenizer.decode([int(i) for i in channel if int(i) not in skip], skip_special_tokens=False)
+
+    return VoiceChatResult(text=decode(ids[:, 0]), text_ids=ids[:, 0].astype(np.int64),
+                           function_ids=ids[:, 1].astype(np.int64), function_text=decode(ids[:, 1]),
+                           user_transcript=transcript.text, audio=audio_np, audio_codes=codes_np,
+                           sample_rate=cfg.output_sample_rate)
