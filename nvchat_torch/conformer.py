@@ -8,7 +8,7 @@ Offline (:meth:`FastConformer.forward`) runs a whole mel sequence with the ``chu
 mask. Streaming (:meth:`FastConformer.forward_step`) takes the log-mel front end's 1, 8, 8, ...
 frame cadence and emits one encoder frame per call, equal to the offline frame of the same
 index: each layer keeps the keys/values of its last ``left`` frames (a ring buffer, written in
-place) and the last ``kernel - 1`` GLU outputs of its convolution, and the subsampling keeps a
+place) and the GLU outputs of its convolution's last ``kernel`` frames, and the subsampling keeps a
 small window of mel frames.
 """
 
@@ -42,6 +42,17 @@ def relative_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)
 
 
+def add_linear(x: torch.Tensor, linear: nn.Module, h: torch.Tensor, alpha: float = 1.0,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + alpha * linear(h)``; one ``addmm`` (one kernel) for a bias-free ``nn.Linear`` (or a given
+    ``weight`` [out, in]) on one position, as the streaming step has."""
+    w = linear.weight if weight is None and isinstance(linear, nn.Linear) else weight
+    if w is not None and linear.bias is None and x.shape[:-1].numel() == 1:
+        return torch.addmm(x.view(1, -1), h.reshape(1, -1), w.t(), alpha=alpha).view_as(x)
+    y = linear(h) if weight is None else F.linear(h, weight, linear.bias)
+    return torch.add(x, y, alpha=alpha)
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, bias: bool):
         super().__init__()
@@ -50,6 +61,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear2(F.silu(self.linear1(x)))
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``residual + alpha * self(x)`` with the last projection and the sum as one op where possible."""
+        return add_linear(residual, self.linear2, F.silu(self.linear1(x)), alpha)
 
 
 class RelPositionAttention(nn.Module):
@@ -72,10 +87,18 @@ class RelPositionAttention(nn.Module):
         self.linear_pos = nn.Linear(d_model, d_model, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.head_dim))
         self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.head_dim))
+        # Set by fuse(stream_pos): linear_pos of the streaming distance table per head, twice over
+        # ([heads, head_dim, 2W]), so the frame's rotation of it is a slice, not a roll + projection.
+        self.register_buffer("pos_table", None, persistent=False)
 
-    def fuse(self) -> None:
+    def fuse(self, stream_pos: torch.Tensor | None = None) -> None:
         """One matmul for q + u, q + v, k and v: linear_q appears twice in the fused weight and the
-        position biases u, v join its bias, so the per-step bias additions disappear too."""
+        position biases u, v join its bias, so the per-step bias additions disappear too. With
+        ``stream_pos`` (the encoder's streaming distance table) also precompute ``pos_table``."""
+        if stream_pos is not None:
+            projected = self.linear_pos(stream_pos.to(self.linear_pos.weight.dtype))  # [W, d]
+            table = projected.view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
+            self.pos_table = torch.cat([table, table], dim=-1).detach().contiguous()
         if hasattr(self, "linear_quvkv"):
             return
         fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
@@ -111,21 +134,27 @@ class RelPositionAttention(nn.Module):
         return self.linear_out(out.transpose(1, 2).reshape(b, t, d))
 
     def forward_step(self, x: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-                     pos: torch.Tensor) -> torch.Tensor:
+                     pos: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """One frame x [1, 1, d] against the cached window.
 
         ``kv`` [2, H, W, hd] is this layer's key/value ring buffer; the new frame is written at
         ``slot`` and slots ``[:length]`` are attended. ``pos`` [length, d] holds, for each slot,
         the sinusoid of its distance to the new frame, pre-multiplied by the score scale.
+        Returns ``residual + attention(x)``.
         """
         q_u, q_v, kv_new = self._project(x)
         kv[:, :, slot] = kv_new.view(2, self.n_heads, self.head_dim)
-        # (q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s: project the query, not the window.
-        w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
-        bias = torch.bmm(q_v.view(self.n_heads, 1, self.head_dim), w_pos) @ pos.T  # [H, 1, length]
+        q_v = q_v.view(self.n_heads, 1, self.head_dim)
+        if self.pos_table is not None:  # fused: slot j's distance row of the precomputed table
+            window = self.pos_table.shape[-1] // 2
+            bias = torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])  # [H, 1, length]
+        else:
+            # (q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s: project the query, not the window.
+            w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
+            bias = torch.bmm(q_v, w_pos) @ pos.T  # [H, 1, length]
         out = F.scaled_dot_product_attention(q_u.view(self.n_heads, 1, self.head_dim), kv[0, :, :length],
                                              kv[1, :, :length], attn_mask=bias, scale=self.scale)
-        return self.linear_out(out.reshape(1, 1, -1))
+        return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
 
 
 class ConvModule(nn.Module):
@@ -149,11 +178,16 @@ class ConvModule(nn.Module):
         g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
         return self._finish(self.depthwise_conv(g).transpose(1, 2))
 
-    def forward_step(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """x [1, 1, d]; ``history`` [1, d, kernel-1] holds the previous GLU outputs (updated in place)."""
-        window = torch.cat([history, self._glu(x).transpose(1, 2)], dim=2)
-        history.copy_(window[:, :, 1:])
-        return self._finish(self.depthwise_conv(window).transpose(1, 2))
+    def forward_step(self, x: torch.Tensor, ring: torch.Tensor, slot: int, slots: torch.Tensor,
+                     residual: torch.Tensor) -> torch.Tensor:
+        """x [1, 1, d] -> ``residual + conv(x)``. ``ring`` [1, d, 2 * kernel] holds the GLU outputs of the
+        last ``kernel`` frames twice over: frame t at columns ``t % kernel`` and ``t % kernel + kernel``
+        (``slots`` = that pair, written in one op), so the window of the last ``kernel`` frames is the
+        contiguous view starting at ``slot + 1`` (``slot = t % kernel``), zeros before the first frame."""
+        ring.index_copy_(2, slots, self._glu(x).transpose(1, 2).expand(-1, -1, 2))
+        window = ring[:, :, slot + 1:slot + 1 + self.kernel_size]
+        h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
+        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
 
 
 class ConformerLayer(nn.Module):
@@ -177,12 +211,12 @@ class ConformerLayer(nn.Module):
         x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x)
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_history: torch.Tensor, slot: int,
-                     length: int, pos: torch.Tensor) -> torch.Tensor:
-        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
-        x = x + self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, pos)
-        x = x + self.conv.forward_step(self.norm_conv(x), conv_history)
-        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, slot: int,
+                     length: int, pos: torch.Tensor | None, conv_slot: int, conv_slots: torch.Tensor) -> torch.Tensor:
+        x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
+        x = self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, pos, residual=x)
+        x = self.conv.forward_step(self.norm_conv(x), conv_ring, conv_slot, conv_slots, residual=x)
+        x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
         return self.norm_out(x)
 
 
@@ -228,7 +262,8 @@ class ConformerCache:
 
     ``kv`` [layers, 2, heads, left+1, head_dim]: per layer a ring buffer of the keys and values of
     the last ``left`` frames plus the current one (frame n lives in slot n mod (left+1)).
-    ``conv`` [layers, 1, d_model, kernel-1]: the last GLU outputs of each convolution module.
+    ``conv`` [layers, 1, d_model, 2 * kernel]: per convolution module a ring of its last ``kernel`` GLU
+    outputs, each stored twice so that the window is a contiguous view (see ConvModule.forward_step).
     ``mel`` [1, M, features]: the subsampling's window of past mel frames, right-aligned.
     ``consumed`` counts mel frames pushed, ``frames`` encoder frames emitted.
     """
@@ -266,10 +301,14 @@ class FastConformer(nn.Module):
         distance = (window - torch.arange(window, device=device)) % window
         scale = (self.d_model // self.config.n_heads) ** -0.5
         self.register_buffer("stream_pos", relative_positions(distance, self.d_model) * scale, persistent=False)
+        # Columns of the convolution ring (see ConvModule.forward_step) that frame t is written to.
+        kernel = self.config.conv_kernel_size
+        first = torch.arange(kernel, device=device)
+        self.register_buffer("conv_slots", torch.stack([first, first + kernel], dim=1), persistent=False)
 
     def fuse(self) -> None:
         for layer in self.layers:
-            layer.self_attn.fuse()
+            layer.self_attn.fuse(self.stream_pos)
 
     def _check_mel(self, mel: torch.Tensor, where: str) -> torch.Tensor:
         if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[2] != self.config.feat_in:
@@ -297,7 +336,7 @@ class FastConformer(nn.Module):
         n = cfg.n_layers
         return ConformerCache(
             kv=torch.zeros(n, 2, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
-            conv=torch.zeros(n, 1, cfg.d_model, cfg.conv_kernel_size - 1, dtype=dtype, device=device),
+            conv=torch.zeros(n, 1, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
             mel=torch.zeros(1, self.mel_context, cfg.feat_in, dtype=dtype, device=device))
 
     def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> torch.Tensor:
@@ -323,9 +362,14 @@ class FastConformer(nn.Module):
         n = cache.frames
         slots = self.left + 1
         length = min(n + 1, slots)
-        pos = torch.roll(self.stream_pos, n % slots, dims=0)[:length].to(x.dtype)
+        # Slot j holds frame n - ((n - j) mod slots): its distance row is the table rolled by n % slots
+        # (fused layers slice their precomputed projection of it instead).
+        fused = self.layers[0].self_attn.pos_table is not None
+        pos = None if fused else torch.roll(self.stream_pos, n % slots, dims=0)[:length].to(x.dtype)
+        kernel = self.config.conv_kernel_size
+        conv_slots = self.conv_slots[n % kernel]
         for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
-            x = layer.forward_step(x, kv, conv, n % slots, length, pos)
+            x = layer.forward_step(x, kv, conv, n % slots, length, pos, n % kernel, conv_slots)
         cache.frames = n + 1
         return x
 

@@ -86,6 +86,7 @@ class VoiceChatModel(nn.Module):
     def init_constants(self, device: torch.device | str | None = None) -> None:
         """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
         self.stt_model.perception.init_constants(device)
+        self.stt_model.llm.init_constants(device)
         self.tts_model.init_constants(device)
 
     def prepare(self, int4: bool = True) -> "VoiceChatModel":

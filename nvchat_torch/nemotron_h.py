@@ -51,7 +51,11 @@ SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting)."""
+    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting).
+
+    In float32 that is one fused op (one kernel on MPS/CUDA) with the weight applied inside."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return y if weight is None else y * weight
 
@@ -86,7 +90,9 @@ class GatedRMSNorm(nn.Module):
 
 @dataclass
 class MambaCache:
-    conv_state: torch.Tensor  # [B, K-1, conv_dim]: the last K-1 raw (pre-conv) xBC rows
+    # [B, 2K, conv_dim]: the last K raw (pre-conv) xBC rows, each twice (row r at r % K and r % K + K),
+    # so that the conv window of a step is a contiguous view and one index_copy_ updates it.
+    conv_state: torch.Tensor
     ssm_state: torch.Tensor  # [B, heads, head_dim, state] float32
     offset: int = 0  # positions consumed so far
 
@@ -192,6 +198,17 @@ class NemotronHMamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.n_groups, config.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
+        self.register_buffer("A", None, persistent=False)  # -exp(A_log), set by fuse()
+        self.init_constants()
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        # The two conv_state rows a step's input goes to (see MambaCache.conv_state), by offset % K.
+        first = torch.arange(self.kernel, device=device)
+        self.register_buffer("ring_slots", torch.stack([first, first + self.kernel], 1), persistent=False)
+
+    def fuse(self) -> None:
+        """Precompute ``A = -exp(A_log)`` (float32); apply after loading and after any ``.to()``."""
+        self.A = -torch.exp(self.A_log.detach().float())
 
     def _apply(self, fn, recurse=True):
         # A_log stays float32 whatever the model dtype, as in the reference (its cast predicate).
@@ -222,20 +239,28 @@ class NemotronHMamba2Mixer(nn.Module):
 
     def _conv(self, xBC: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
         """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU."""
-        keep = self.kernel - 1
+        K, L = self.kernel, xBC.shape[1]
         if cache is None:
-            window = F.pad(xBC, (0, 0, keep, 0))
+            window = F.pad(xBC, (0, 0, K - 1, 0))
         else:
-            state = cache.conv_state
-            if cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
-                state = state.to(xBC.dtype)
-            window = torch.cat((state, xBC), 1)
-            tail = window[:, -keep:]
-            if tail.dtype == cache.conv_state.dtype:
-                cache.conv_state.copy_(tail)
-            else:  # a wider input promotes the state, as MLX's concatenation does
-                cache.conv_state = tail.clone()
-            cache.offset += xBC.shape[1]
+            ring = cache.conv_state
+            if cache.offset == 0 and ring.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
+                ring = ring.to(xBC.dtype)
+            elif ring.dtype != xBC.dtype and torch.promote_types(ring.dtype, xBC.dtype) != ring.dtype:
+                # a wider input promotes it for good
+                ring = ring.to(xBC.dtype)
+            cache.conv_state = ring
+            t = cache.offset
+            if L == 1:
+                p = t % K
+                ring.index_copy_(1, self.ring_slots[p], xBC.to(ring.dtype).expand(-1, 2, -1))
+                window = ring[:, p + 1:p + 1 + K]
+            else:
+                p = (t - 1) % K  # where the last cached row sits
+                window = torch.cat((ring[:, p + 2:p + 1 + K], xBC), 1)
+                for r in range(t + L - min(L, K), t + L):  # keep the last K rows (a prefill, not a step)
+                    ring[:, r % K] = ring[:, r % K + K] = window[:, r - t + K - 1]
+            cache.offset += L
         weight, bias = self.conv1d.weight, self.conv1d.bias
         if window.dtype == weight.dtype:
             out = F.conv1d(window.transpose(1, 2), weight, bias, groups=self.conv_dim).transpose(1, 2)
@@ -276,7 +301,7 @@ class NemotronHMamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias)
         if self.dt_min is not None or self.dt_max is not None:
             dt = dt.clamp(self.dt_min, self.dt_max)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log.float()) if self.A is None else self.A
         if cache is not None and L == 1:
             y = self._ssm_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], cache.ssm_state).unsqueeze(1)
         else:
@@ -389,7 +414,7 @@ class NemotronHModel(nn.Module):
         for block_type in cfg.hybrid_override_pattern:
             if block_type == "M":
                 layers.append(MambaCache(
-                    torch.zeros(batch, cfg.conv_kernel - 1, cfg.mamba_conv_dim, device=device, dtype=dtype),
+                    torch.zeros(batch, 2 * cfg.conv_kernel, cfg.mamba_conv_dim, device=device, dtype=dtype),
                     torch.zeros(batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                                 device=device, dtype=torch.float32)))
             elif block_type == "*":
@@ -437,10 +462,16 @@ class NemotronHModel(nn.Module):
         if cached_batch is not None and cached_batch != batch:
             raise ValueError(f"inputs_embeds has batch {batch}, the cache batch {cached_batch}")
 
-    def fuse(self) -> None:
-        """Merge each attention layer's q/k/v projections into one matmul; outputs are unchanged."""
+    def init_constants(self, device: torch.device | str | None = None) -> None:
         for layer in self.layers:
-            if isinstance(layer.mixer, NemotronHAttention):
+            if isinstance(layer.mixer, NemotronHMamba2Mixer):
+                layer.mixer.init_constants(device)
+
+    def fuse(self) -> None:
+        """Merge each attention layer's q/k/v projections into one matmul and precompute the Mamba
+        layers' ``A``; outputs are unchanged."""
+        for layer in self.layers:
+            if isinstance(layer.mixer, (NemotronHAttention, NemotronHMamba2Mixer)):
                 layer.mixer.fuse()
 
 
@@ -460,7 +491,7 @@ def fused_input(embed_tokens: nn.Module, prev_text_id: torch.Tensor, audio_embed
                          f"must both have the shape {list(audio_embedding.shape[:-1])} of audio_embedding "
                          "without its last axis")
     text, function = embed_tokens(torch.stack((prev_text_id, prev_function_id)))
-    return (text + audio_embedding) + weight * function
+    return torch.add(text + audio_embedding, function, alpha=weight)
 
 
 @dataclass

@@ -245,30 +245,31 @@ class Int4PackedLinear(nn.Module):
         spec = src.spec
         self.in_features, self.out_features, self.group_size = src.in_features, src.out_features, spec.group_size
         self.dtype = dtype
-        device = src.weight.device
-        s, b = src.scales.float(), src.biases.float()
+        # The kernels want N % 16 == 0: pad with zero rows (their outputs are sliced away, a view).
+        pad = -src.out_features % 16
+        words = F.pad(src.weight.view(torch.int32), (0, 0, 0, pad)).view(torch.uint32)
+        s, b = F.pad(src.scales.float(), (0, 0, 0, pad)), F.pad(src.biases.float(), (0, 0, 0, pad))
         sz = torch.stack((s, b + 8.0 * s), dim=-1).transpose(0, 1).contiguous()  # [K/gs, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype))
-        if device.type == "cpu":
-            codes = unpack_codes(src.weight, 4).to(torch.int32)
+        if words.device.type == "cpu":
+            codes = unpack_codes(words, 4).to(torch.int32)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
         else:
             # MPS/CUDA kernels take the CUDA-style byte (even k in the high nibble): swap MLX's nibbles.
-            raw = src.weight.contiguous().view(torch.uint8)
+            raw = words.contiguous().view(torch.uint8)
             swapped = ((raw & 0x0F) << 4) | (raw >> 4)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
-                swapped.reshape(self.out_features, self.in_features // 2), 2))
+                swapped.reshape(self.out_features + pad, self.in_features // 2), 2))
         self.bias = src.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        xin = x2.to(self.dtype)
-        if x2.device.type == "cpu":
+        xin = x.reshape(-1, self.in_features).to(self.dtype)
+        if x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(xin, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        y = y[:, :self.out_features].to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -277,7 +278,7 @@ class Int4PackedLinear(nn.Module):
 
 def _int4_eligible(m: nn.Module) -> bool:
     return (isinstance(m, QuantizedLinear) and m.spec.mode == "affine" and m.spec.bits == 4
-            and m.spec.group_size in (32, 64, 128) and m.out_features % 16 == 0 and m.in_features % 64 == 0)
+            and m.spec.group_size in (32, 64, 128) and m.in_features % 64 == 0)
 
 
 def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:

@@ -54,8 +54,9 @@ class RnntDecoder(nn.Module):
         w = self.prediction["embed"].weight
         return torch.zeros(2 * self.layers, 1, self.hidden, dtype=w.dtype, device=w.device)
 
-    def step(self, x: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
-        """One LSTM step: input x [1, H], state hc [2 * layers, 1, H] -> the new hc (its h[-1] is the output)."""
+    def step(self, x: torch.Tensor, hc: torch.Tensor, with_output: bool = False) -> torch.Tensor:
+        """One LSTM step: input x [1, H], state hc [2 * layers, 1, H] -> the new hc (its h[-1] is the output;
+        ``with_output`` appends it once more as a last row, in the same op)."""
         lstm = self.prediction["dec_rnn"]["lstm"]
         hs, cs = [], []
         for layer in range(self.layers):
@@ -64,7 +65,7 @@ class RnntDecoder(nn.Module):
                                      for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")))
             hs.append(x)
             cs.append(c)
-        return torch.stack(hs + cs)
+        return torch.stack(hs + cs + hs[-1:] if with_output else hs + cs)
 
     def forward(self, tokens: torch.Tensor | None, hc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, U] (None: the start symbol, a zero input) -> (outputs [1, U, H], final hc)."""
@@ -137,8 +138,7 @@ class RnntTranscriber(nn.Module):
             emitted = token != self.blank_id
             active = emitted if active is None else active & emitted
             # The candidate state is computed every time and kept only while tokens are being emitted.
-            new = decoder.step(embed(token), hc[:2 * layers])
-            hc = torch.where(active, torch.cat([new, new[layers - 1:layers]]), hc)
+            hc = torch.where(active, decoder.step(embed(token), hc[:2 * layers], with_output=True), hc)
             tokens.append(token)
             kept.append(active)
         state.hc = hc

@@ -59,7 +59,7 @@ class _Timeline:
         self.previous_code = model.tts_prompt().codes[:, -1:].clone()  # all mask: a zero code embedding
         self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
         self.prev_text = self.prev_function = self.pad
-        self.silence = model.tts_model.codec_silence_tokens.to(torch.long).view(1, 1, -1)
+        self.silence = model.tts_model._silence(torch.long).view(1, 1, -1)
         self.index = 0  # timeline position (prompt steps included)
         self.last_hidden: torch.Tensor | None = None
 
@@ -240,8 +240,8 @@ class StreamingSession:
                                    f"expected {self.config.output_frame_samples}")
             # One host read per frame: transcript ids, text/function ids, codes and samples together
             # (ids < 2**24 are exact in float32).
-            packed = torch.cat([transcript_ids.float(), ids.float(), clean.reshape(-1).float(),
-                                samples.reshape(-1).float()]).numpy(force=True)
+            ints = torch.cat([transcript_ids, ids, clean.reshape(-1)])
+            packed = torch.cat([ints.float(), samples.reshape(-1).float()]).numpy(force=True)
         stamps.append(time.perf_counter())
         events = self._frame_events(packed)
         if profile:

@@ -136,11 +136,19 @@ class Rotary(nn.Module):
         angles = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq
         self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
         self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], dim=-1), persistent=False)
+        # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation()).
+        self.register_buffer("swap", torch.roll(torch.eye(self.dim, device=device), half, dims=0), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         self.init_constants(self.cos.device, self.cos.shape[0])
         return self
+
+    def rotation(self, position: int, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE at one ``position`` as a matrix ``M [dim, dim]``: ``x @ M`` rotates ``x`` (3 ops, shared by
+        every layer of a step, which then rotates with one matmul)."""
+        cos, sin = self.table(position, 1)
+        return (torch.diag_embed(cos[0]) + self.swap * sin).to(dtype)
 
     def table(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[length, dim]`` for positions ``start .. start + length - 1`` (views)."""
@@ -276,11 +284,17 @@ class GemmaAttention(_Attention):
         return torch.cat([self.q_norm.offset_weight().expand(self.n_heads, -1),
                           self.k_norm.offset_weight().expand(self.n_kv_heads, -1)])
 
-    def forward(self, x: torch.Tensor, batch: int, length: int, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
                 cache: TTSCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """``rope``: ``(cos, sin)`` tables for the ``length`` positions, or, for one position, its rotation
+        matrix ``(M,)``: the norm weights then fold into it and norm + rotation take 3 ops."""
         qk, v = self.qk_v(x, batch, length)
-        qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * self.qk_norm_weight()
-        q, k, v = self.split_heads(Rotary.apply(qk, cos[:, None], sin[:, None]), v)
+        qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps)
+        if len(rope) == 1:  # [B, 1, heads, d] @ [heads, d, d]: per head diag(1 + w) M
+            qk = torch.matmul(qk.unsqueeze(-2), self.qk_norm_weight()[:, :, None] * rope[0]).squeeze(-2)
+        else:
+            qk = Rotary.apply(qk * self.qk_norm_weight(), rope[0][:, None], rope[1][:, None])
+        q, k, v = self.split_heads(qk, v)
         if cache is not None:
             held_k, held_v = cache.write(layer, k, v)
             if length == 1:  # one new position attends to every held one (no mask, as the reference)
@@ -303,9 +317,9 @@ class GemmaLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: int, length: int, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
                 cache: TTSCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), batch, length, cos, sin, cache, layer, mask)
+        attn = self.self_attn(self.input_layernorm(x), batch, length, rope, cache, layer, mask)
         h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -338,10 +352,14 @@ class GemmaBackbone(nn.Module):
     def _run(self, x: torch.Tensor, cache: TTSCache | None, start: int,
              masks: dict[bool, torch.Tensor | None]) -> torch.Tensor:
         batch, length, width = x.shape
-        tables = {False: self.rope_global.table(start, length), True: self.rope_local.table(start, length)}
+        if length == 1:  # a step: one rotation matrix per RoPE base, shared by the layers
+            tables = {False: (self.rope_global.rotation(start, x.dtype),),
+                      True: (self.rope_local.rotation(start, x.dtype),)}
+        else:
+            tables = {False: self.rope_global.table(start, length), True: self.rope_local.table(start, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes
         for index, layer in enumerate(self.layers):
-            x = layer(x, batch, length, *tables[layer.sliding], cache, index, masks[layer.sliding])
+            x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding])
         if cache is not None:
             cache.offset += length
         return self.norm(x).view(batch, length, width)
@@ -384,8 +402,7 @@ class CharEncoderAttention(_Attention):
         if self.n_heads != self.n_kv_heads:
             repeats = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (self.scale / self.softcap)) * self.softcap
         scores = torch.where(valid[:, None, None, :], scores, MASKED_SCORE)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return self.output(torch.matmul(probs, v))
@@ -580,17 +597,20 @@ class MoGLayer(nn.Module):
 
 
 def sample_component(logits: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Gumbel-max draw over the last axis of ``logits`` among the components kept by top-p (the
-    reference's rule: keep k iff the probability mass strictly above k is < ``top_p``)."""
-    logits = logits.float()
+    """A draw over the last axis of ``logits`` among the components kept by top-p (the reference's
+    rule: keep k iff the probability mass strictly above k is < ``top_p``).
+
+    Gumbel-max in the form ``argmax(p_k / E_k)`` with ``E_k = -log(u_k)`` exponential (equal to
+    ``argmax(log p_k + g_k)``, g Gumbel), done in the descending order of the probabilities, where
+    top-p is a prefix: no scatter back, one gather of the winner's index.
+    """
+    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
     if top_p < 1.0:
-        probs = torch.softmax(logits, dim=-1)
-        ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, ordered.cumsum(-1) - ordered < top_p)
-        logits = torch.where(keep, logits, -math.inf)
-    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
-    gumbel = -torch.log(-torch.log(uniform + GUMBEL_EPS) + GUMBEL_EPS)
-    return (torch.log_softmax(logits, dim=-1) + gumbel).argmax(-1)
+        mass_above = probs.cumsum(-1) - probs
+        probs = torch.where(mass_above < top_p, probs, 0.0)
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+    exponential = torch.rsub(torch.log(uniform + GUMBEL_EPS), GUMBEL_EPS)  # -log(u) (guarded)
+    return order.gather(-1, (probs / exponential).argmax(-1, keepdim=True)).squeeze(-1)
 
 
 class MoGHead(nn.Module):
@@ -632,8 +652,7 @@ class MoGHead(nn.Module):
         """``x [2, H]`` (conditional, unconditional) -> (mean ``[1, out]``, std ``[1, 1]``)."""
         for layer in self.mlp_stack:
             x = layer(x)
-        cond, uncond = x[:1], x[1:]
-        x = cond + guidance_scale * (cond - uncond)
+        x = torch.lerp(x[1:], x[:1], 1.0 + guidance_scale)  # cond + g (cond - uncond)
         logits, log_std, rest = self._heads(x)
         if deterministic:
             component = logits.argmax(-1)
@@ -643,7 +662,7 @@ class MoGHead(nn.Module):
         low = self.low_mat.index_select(0, component)
         mean = torch.matmul(low, torch.matmul(mus, x[..., None]))  # [1, out, 1]
         std = log_std.clamp(min=self.min_log_std).exp()
-        return mean.view(1, -1) * std + rest, std
+        return torch.addcmul(rest, mean.view(1, -1), std), std
 
 
 # --------------------------------------------------------------------------------------
@@ -725,8 +744,15 @@ class EarTTS(nn.Module):
         for module in list(self.modules()):
             if module is not self and hasattr(module, "fuse"):
                 module.fuse()
-        self.rvq_float = self.rvq_embs.detach().float()
-        self.rvq_sq_norms = self.rvq_float.square().sum(-1)
+        # float32 codebooks with a zero row for the mask code appended (the depth sum is then a plain
+        # gather + sum); a float32 parameter becomes a view of it, so there is one copy.
+        books = self.rvq_embs.detach()
+        padded = books.new_zeros(books.shape[0], books.shape[1] + 1, books.shape[2], dtype=torch.float32)
+        padded[:, :-1] = books
+        if books.dtype == torch.float32:
+            self.rvq_embs.data = padded[:, :-1]
+        self.rvq_float = padded
+        self.rvq_sq_norms = padded[:, :-1].square().sum(-1)
 
     # ---- inputs
 
@@ -734,6 +760,8 @@ class EarTTS(nn.Module):
         """``[..., Q]`` codes -> ``[..., latent]`` float32 sum of ``rvq_embs[q, code_q]``; the mask
         code (``codebook_size``) adds nothing."""
         mask_code = self.config.codebook_size
+        if self.rvq_float is not None:  # fused: row mask_code is zeros
+            return self.rvq_float[self.quantizer_index, codes].sum(-2)
         rows = self.rvq_embs[self.quantizer_index, codes.clamp(max=mask_code - 1)]
         return torch.where((codes != mask_code)[..., None], rows, 0.0).sum(-2, dtype=torch.float32)
 
@@ -787,7 +815,7 @@ class EarTTS(nn.Module):
         """
         config = self.config
         _check_shape("hidden", hidden, (2, 1, config.hidden_size))
-        books, sq_norms = self.rvq_float, self.rvq_sq_norms
+        books, sq_norms = (None, None) if self.rvq_float is None else (self.rvq_float[:, :-1], self.rvq_sq_norms)
         if books is None:
             books = self.rvq_embs.float()
             sq_norms = books.square().sum(-1)
@@ -796,13 +824,13 @@ class EarTTS(nn.Module):
         picked: list[torch.Tensor] = []
         for draw, (start, count) in enumerate(self.schedule):
             x = hidden
-            if decided is not None:
-                x = hidden + self.embed_code(decided.to(hidden.dtype))
+            if decided is not None:  # hidden + embed_code(decided), both rows, as one addmm
+                x = torch.addmm(hidden, decided.to(hidden.dtype).expand(2, -1), self.embed_code.weight.t())
             mean, std = self.mog_head(x, config.guidance_scale, config.top_p, generator, deterministic)
             residual = mean.float()
             if not deterministic and config.noise_scale > 0:
                 noise = torch.randn(residual.shape, generator=generator, device=residual.device)
-                residual = residual + std.float() * noise * config.noise_scale
+                residual = torch.addcmul(residual, std.float(), noise, value=config.noise_scale)
             last_draw = draw == len(self.schedule) - 1
             for q in range(start, start + count):
                 index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [1]
@@ -849,6 +877,7 @@ class SpeechDecoder(nn.Module):
         self.register_buffer("_control_codes", torch.zeros(3, dtype=torch.int32))
         self.register_buffer("codec_silence_tokens", torch.zeros(tts_config.num_quantizers, dtype=torch.int32))
         self.audio_prompt_latents = PromptLatents(tts_config.hidden_size)
+        self.register_buffer("silence_long", None, persistent=False)  # set by fuse()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         self.tts_model.init_constants(device)
@@ -858,6 +887,7 @@ class SpeechDecoder(nn.Module):
         """Fuse EAR-TTS and the codec (see their ``fuse``); outputs are unchanged. Apply after loading and ``.to()``."""
         self.tts_model.fuse()
         self.audio_codec.fuse()
+        self.silence_long = self.codec_silence_tokens.long()
 
     def prompt(self) -> TTSPrompt:
         """The speaker warmup: codes of ``F + 1`` silent codec frames, the first and last of the
@@ -884,8 +914,13 @@ class SpeechDecoder(nn.Module):
         """``prev_codes [1, 1, Q]``, or the silence codes where ``text_id [1]`` is EOS (on the device)."""
         _check_shape("prev_codes", prev_codes, (1, 1, self.config.num_quantizers), integer=True)
         _check_shape("text_id", text_id, (1,), integer=True)
-        silence = self.codec_silence_tokens.to(prev_codes.dtype)
-        return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), silence, prev_codes)
+        return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), self._silence(prev_codes.dtype), prev_codes)
+
+    def _silence(self, dtype: torch.dtype) -> torch.Tensor:
+        """The silence codes in ``dtype`` (long: kept by fuse(), so a step converts nothing)."""
+        if dtype == torch.long and self.silence_long is not None:
+            return self.silence_long
+        return self.codec_silence_tokens.to(dtype)
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
              generator: torch.Generator | None = None, deterministic: bool = False) -> torch.Tensor:
@@ -895,4 +930,4 @@ class SpeechDecoder(nn.Module):
     def replace_control_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """``[..., Q]`` codes with every control code replaced by its quantizer's silence code."""
         is_control = (codes[..., None] == self._control_codes).any(-1)
-        return torch.where(is_control, self.codec_silence_tokens.to(codes.dtype), codes)
+        return torch.where(is_control, self._silence(codes.dtype), codes)

@@ -402,7 +402,7 @@ def test_cache_sizes_constant_after_200_frames(ours):
             if i == 9:
                 early = footprint()
     assert footprint() == early  # same sizes, same (in-place) cache buffers
-    assert cache.kv.shape[3] == 71 and cache.conv.shape[-1] == 8 and cache.mel.shape[1] == 17
+    assert cache.kv.shape[3] == 71 and cache.conv.shape[-1] == 2 * 9 and cache.mel.shape[1] == 17
     assert cache.frames == 200 and cache.consumed == 1 + 8 * 199
 
 

@@ -168,9 +168,10 @@ def test_quantized_embedding_matches_mlx_and_reads_only_its_rows(bits, gs):
     assert torch.isfinite(ours(torch.tensor([3, 3]))).all()
 
 
-def test_int4pack_linear_matches_mlx():
+@pytest.mark.parametrize("out_features", [128, 200])  # 200: rows padded to the kernel's multiple of 16
+def test_int4pack_linear_matches_mlx(out_features):
     """Where the device has the fused int4 kernel the module is swapped; either way the output is MLX's."""
-    ref = _mlx_linear(256, 128, 4, 64, True, seed=21)
+    ref = _mlx_linear(256, out_features, 4, 64, True, seed=21)
     model = nn.Sequential(_load_quantized_linear(ref, QuantSpec(4, 64)))
     has_kernel = int4pack_available("cpu")
     assert pack_int4(model, dtype=torch.float32) == int(has_kernel)

@@ -1,0 +1,212 @@
+"""The 80 ms frame loop, measured: per-stage latency, real-time factor, host reads, kernels, memory.
+
+    python -m benchmarks.frame_loop                      # generated deep model, 4-bit, cpu
+    python -m benchmarks.frame_loop --device mps         # the same on an Apple GPU
+    python -m benchmarks.frame_loop --model weights/NemotronLabs-VoiceChat-11B-4bit --device mps
+    python -m benchmarks.frame_loop --memory             # memory of the full-size model as loaded
+
+Without ``--model`` it generates (once, cached) a model with tiny widths but the real depth of every
+network: 56 Nemotron-H layers with the real pattern, 24 Conformer layers, 28 TTS layers, 3 codec
+blocks per stage. A frame of it launches as many kernels as the 11B model, so it measures the
+per-kernel and per-sync overhead that dominates batch-1 decoding on a GPU. When the MLX reference is
+installed (the ``parity`` extra) it runs on the same checkpoint in the same process and the ratio is
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import nvchat_torch as nv
+from nvchat_torch.diagnostics import OpCounter, count_host_reads, model_bytes
+
+PROMPT = "you are a helpful assistant"
+FRAME = 1280
+
+
+def test_signal(seconds: float, seed: int = 1234) -> np.ndarray:
+    """Tone bursts, a chirp and a little noise at 16 kHz."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    x = 0.15 * np.sin(2 * np.pi * (200 * t + 1400 / seconds * t * t))
+    for i, f in enumerate((220.0, 440.0, 660.0, 880.0)):
+        x = x + 0.3 * np.sin(2 * np.pi * f * t) * ((t % 2.0 >= 0.45 * i) & (t % 2.0 < 0.45 * i + 0.35))
+    return (x + 0.01 * rng.standard_normal(t.shape)).astype(np.float32)
+
+
+def generated_checkpoint(preset: str, bits: int | None, seed: int = 0) -> Path:
+    """A random ``preset`` model saved as an mlx-community checkpoint (cached by its parameters)."""
+    from nvchat_torch.tiny import random_model, save_checkpoint
+
+    root = Path(os.environ.get("NVCHAT_BENCH_CACHE", Path(tempfile.gettempdir()) / "nvchat_torch_bench"))
+    folder = root / f"{preset}-{bits or 'float'}bit-seed{seed}-v{nv.__version__}"
+    if not (folder / "config.json").exists():
+        save_checkpoint(random_model(preset, seed), folder, bits=bits)
+    return folder
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 if sys.platform != "darwin" else rss / 2**20  # KiB on Linux, bytes on macOS
+
+
+def run_ours(path: Path, args, wave: np.ndarray) -> dict:
+    device = torch.device(args.device) if args.device else None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    t0 = time.perf_counter()
+    model = nv.load_model(path, device=device, dtype=dtype, weights=args.weights)
+    load_s = time.perf_counter() - t0
+    device = model.device
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, seed=0, profile=True))
+    frames = [wave[i:i + FRAME] for i in range(0, len(wave) - FRAME + 1, FRAME)]
+    for frame in frames[:args.warmup]:
+        session.push_audio(frame, 16000)
+    # One steady-state frame under the counters (counting slows it: it is not timed).
+    with count_host_reads() as reads, OpCounter() as ops:
+        session.push_audio(frames[args.warmup], 16000)
+    session.profile.frames.clear()
+    _sync(device)
+    t0 = time.perf_counter()
+    for frame in frames[args.warmup + 1:]:
+        session.push_audio(frame, 16000)
+    _sync(device)
+    wall = (time.perf_counter() - t0) / max(1, len(frames) - args.warmup - 1)
+    summary = session.profile.summary()
+    return {"model": model.describe(), "load_s": load_s, "summary": summary, "wall_ms_per_frame": wall * 1000,
+            "host_reads_per_frame": sum(reads.values()), "host_reads": dict(reads),
+            "ops_per_frame": ops.non_view, "top_ops": ops.ops.most_common(12),
+            "peak_memory_mb": peak_memory_mb(device), "model_mb": model_bytes(model) / 2**20}
+
+
+def run_reference(path: Path, args, wave: np.ndarray) -> dict | None:
+    try:
+        from mlx_vlm.utils import load
+    except ImportError:
+        return None
+    model, processor = load(str(path))
+    session = model.create_session(processor).create_streaming_session(system_prompt=PROMPT, seed=0, profile=True)
+    frames = [wave[i:i + FRAME] for i in range(0, len(wave) - FRAME + 1, FRAME)]
+    for frame in frames[:args.warmup + 1]:
+        session.push_audio(frame)
+    session.profile.frames.clear()
+    t0 = time.perf_counter()
+    for frame in frames[args.warmup + 1:]:
+        session.push_audio(frame)
+    wall = (time.perf_counter() - t0) / max(1, len(frames) - args.warmup - 1)
+    return {"summary": session.profile.summary(), "wall_ms_per_frame": wall * 1000}
+
+
+def stage_table(ours: dict, ref: dict | None) -> str:
+    stages = ours["summary"]["stages"]
+    head = f"{'stage':<11}{'mean':>8}{'p50':>8}{'p95':>8}"
+    head += f"{'MLX mean':>10}{'ratio':>7}" if ref else ""
+    lines = [head + "   (ms)"]
+    for name, s in stages.items():
+        row = f"{name:<11}{s['mean_ms']:>8.2f}{s['p50_ms']:>8.2f}{s['p95_ms']:>8.2f}"
+        if ref:
+            r = ref["summary"]["stages"][name]["mean_ms"]
+            row += f"{r:>10.2f}{s['mean_ms'] / r if r else float('nan'):>7.2f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, torch {torch.__version__} "
+            f"({threads} threads, {torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}")
+
+
+def memory_report() -> str:
+    """Bytes of the full-size model as loaded, from the model built on ``meta``."""
+    from nvchat_torch.config import QuantSpec, VoiceChatConfig
+    from nvchat_torch.model import build_model
+    from nvchat_torch.tiny import QUANTIZED_PREFIXES
+
+    config = VoiceChatConfig.full_size()
+    lines = [f"{'layout':<40}{'GB':>8}{'GiB':>8}"]
+    with torch.device("meta"):
+        plain = build_model(config, "meta").to(torch.bfloat16)
+    targets = [name for name, m in plain.named_modules()
+               if name.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    rows = [("bf16 (everything dequantized)", {}), ("8-bit packed (LLM + vocab), rest bf16", QuantSpec(8, 64)),
+            ("4-bit packed (LLM + vocab), rest bf16", QuantSpec(4, 64))]
+    for label, spec in rows:
+        model = build_model(config, "meta", {t: spec for t in targets} if spec else None).to(torch.bfloat16)
+        n = model_bytes(model)
+        lines.append(f"{label:<40}{n / 1e9:>8.2f}{n / 2**30:>8.2f}")
+    lines.append(f"{'float32 (everything dequantized)':<40}{2 * model_bytes(plain) / 1e9:>8.2f}"
+                 f"{2 * model_bytes(plain) / 2**30:>8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.frame_loop", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: generated deep model)")
+    p.add_argument("--preset", default="deep", choices=("deep", "tiny"))
+    p.add_argument("--bits", default="4", choices=("4", "8", "none"), help="of the generated model")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--weights", default="auto", choices=("auto", "packed", "dequantized"))
+    p.add_argument("--seconds", type=float, default=6.0, help="audio streamed (frames = seconds / 0.08)")
+    p.add_argument("--warmup", type=int, default=10, help="cold frames not timed")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-reference", action="store_true", help="skip the MLX reference")
+    p.add_argument("--memory", action="store_true", help="print the full-size model's memory and exit")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.memory:
+        print(memory_report())
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else generated_checkpoint(args.preset, None if args.bits == "none"
+                                                                   else int(args.bits))
+    wave = test_signal(args.seconds)
+    ours = run_ours(path, args, wave)
+    ref = None if args.no_reference else run_reference(path, args, wave)
+    s = ours["summary"]
+    print(f"machine: {machine()}")
+    print(f"model:   {ours['model']} (loaded in {ours['load_s']:.1f} s)")
+    print(f"frames:  {s['frames']} timed after {args.warmup + 1} cold")
+    print(stage_table(ours, ref))
+    print(f"real-time factor {s['realtime_factor']:.3f} ({s['processing_frames_per_second']:.1f} frames/s); "
+          f"wall {ours['wall_ms_per_frame']:.2f} ms/frame")
+    print(f"host reads per frame: {ours['host_reads_per_frame']} {ours['host_reads']}")
+    print(f"non-view ATen ops per frame: {ours['ops_per_frame']}; most frequent: "
+          + ", ".join(f"{k} {v}" for k, v in ours["top_ops"]))
+    print(f"memory: weights {ours['model_mb']:.1f} MiB, peak {ours['peak_memory_mb']:.1f} MiB")
+    if ref:
+        r = ref["summary"]
+        print(f"MLX reference: {r['stages']['total']['mean_ms']:.2f} ms/frame (real-time factor "
+              f"{r['realtime_factor']:.3f}); ours / MLX = {s['stages']['total']['mean_ms'] / r['stages']['total']['mean_ms']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "ours": ours, "reference": ref}, indent=1,
+                                              default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

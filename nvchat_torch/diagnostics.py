@@ -1,0 +1,81 @@
+"""Counting what decides batch-1 speed on a GPU: host reads and kernels.
+
+On MPS (and CUDA) every host read of a tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+``int()``, ``float()``, ``bool()``, use as a Python index) waits for the device, and every ATen op
+is a kernel launch (about 5-20 us on MPS). Both can be counted on the CPU, where a real sync cannot
+be told from a no-op, so every call counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HOST_READS", "count_host_reads", "OpCounter", "model_bytes"]
+
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[Counter]:
+    """Count calls of the host-reading ``torch.Tensor`` methods inside the block (by method name)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, fn):
+        def counted(self, *args, **kwargs):
+            counts[name] += 1
+            return fn(self, *args, **kwargs)
+        return counted
+
+    try:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside the block; ``non_view`` excludes ops whose schema
+    returns an alias of an input (views, reshapes, a ``to`` that converts nothing), which launch no
+    kernel. Under ``torch.inference_mode`` (the sessions run in it) composite ops such as ``linear``,
+    ``layer_norm`` or ``rms_norm`` count once, as the single kernels MPS and CUDA run for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.views: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(out, (torch.Tensor, tuple, list)):  # e.g. promote_types: no kernel
+            return out
+        view = func.is_view
+        if view and func.overloadpacket is torch.ops.aten.to:  # a real conversion copies: count it
+            view = isinstance(out, torch.Tensor) and out.data_ptr() == args[0].data_ptr()
+        (self.views if view else self.ops)[str(func.overloadpacket)] += 1
+        return out
+
+    @property
+    def non_view(self) -> int:
+        return sum(self.ops.values())
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (works on ``meta``; shared storage counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta":
+            total += t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
