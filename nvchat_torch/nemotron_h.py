@@ -53,8 +53,9 @@ SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting).
 
-    In float32 that is one fused op (one kernel on MPS/CUDA) with the weight applied inside."""
-    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+    When x and the weight share a dtype that is one fused op (one kernel on MPS/CUDA; in float32
+    exact, in bf16/fp16 the weight is applied before the single rounding, within one ulp of MLX)."""
+    if weight is None or weight.dtype == x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return y if weight is None else y * weight

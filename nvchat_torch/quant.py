@@ -281,20 +281,43 @@ def _int4_eligible(m: nn.Module) -> bool:
             and m.spec.group_size in (32, 64, 128) and m.in_features % 64 == 0)
 
 
+def _kernel_agrees(packed: Int4PackedLinear, source: QuantizedLinear) -> bool:
+    """One-time check on the device that the fused kernel computes MLX's ``scale*q + bias`` matmul
+    (the MPS/CUDA layouts were derived from PyTorch's sources, not run here): a random input against
+    the dequantized weights. A kernel that raises or disagrees is not used."""
+    x = torch.randn(2, packed.in_features, device=source.weight.device, dtype=packed.dtype,
+                    generator=torch.Generator(device=source.weight.device).manual_seed(0))
+    try:
+        got = packed(x).float()
+    except RuntimeError:
+        return False
+    want = F.linear(x.float(), source.dequantized(torch.float32),
+                    None if source.bias is None else source.bias.float())
+    tol = 2e-2 if packed.dtype != torch.float32 else 1e-4
+    return bool(((got - want).abs().max() <= tol * want.abs().max().clamp(min=1e-6)).item())
+
+
 def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Swap every eligible 4-bit :class:`QuantizedLinear` for an :class:`Int4PackedLinear`.
 
     ``dtype`` is the compute dtype of the kernel (bfloat16 is the fast path on CPU and the only
-    one on CUDA). Returns the number of modules swapped; none if the device lacks the kernel.
+    one on CUDA). Returns the number of modules swapped: none if the device lacks the kernel or its
+    one-time self-test on the device fails (the modules then dequantize per call, still correct).
     The state_dict of a swapped module is no longer in checkpoint layout (a documented
     post-load transform, like fusing QKV).
     """
-    swapped = 0
+    swapped, verified = 0, {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if _int4_eligible(child) and int4pack_available(child.weight.device):
-                kdt = dtype or (torch.float32 if child.weight.device.type == "mps" else torch.bfloat16)
-                setattr(module, child_name, Int4PackedLinear(child, kdt))
+            if not (_int4_eligible(child) and int4pack_available(child.weight.device)):
+                continue
+            kdt = dtype or (torch.float32 if child.weight.device.type == "mps" else torch.bfloat16)
+            packed = Int4PackedLinear(child, kdt)
+            key = (child.weight.device.type, kdt)
+            if key not in verified:
+                verified[key] = _kernel_agrees(packed, child)
+            if verified[key]:
+                setattr(module, child_name, packed)
                 swapped += 1
     return swapped
 

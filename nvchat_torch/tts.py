@@ -85,12 +85,16 @@ class RMSNorm(nn.Module):
         return 1.0 + (self.weight.float() if self.fp32 else self.weight)
 
     def fuse(self) -> None:
-        self.scale = self.offset_weight().detach()
+        """Precompute ``1 + weight``, in the weight dtype: in a float32 model that is the float32 of the
+        fp32 variant; in a bf16/fp16 one the fp32 variant then runs as one fused kernel, its only
+        difference from the reference being ``1 + w`` rounded to that dtype (under one ulp)."""
+        self.scale = self.offset_weight().detach().to(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32:
-            return F.rms_norm(x.float(), self.weight.shape, self.offset_weight(), self.eps).to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, self.offset_weight(), self.eps)
+        weight = self.offset_weight()
+        if self.fp32 and weight.dtype != x.dtype:
+            return F.rms_norm(x.float(), self.weight.shape, weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, weight, self.eps)
 
 
 class GatedMLP(nn.Module):

@@ -1,0 +1,109 @@
+"""What decides MPS speed, counted on the CPU: host reads and kernels per frame; memory; no timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import nvchat_torch as nv
+from mlx_oracle import synth_audio
+from nvchat_torch.config import QuantSpec, VoiceChatConfig
+from nvchat_torch.diagnostics import OpCounter, count_host_reads, model_bytes
+from nvchat_torch.model import build_model
+from nvchat_torch.tiny import QUANTIZED_PREFIXES, random_model, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "you are a helpful assistant"
+
+
+@pytest.fixture(scope="module")
+def deep_q4(make_checkpoint):
+    """Tiny widths, the real depth of every network, 4-bit LLM and vocabulary (written by MLX)."""
+    return make_checkpoint(seed=0, bits=4, preset="deep")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampling", "deterministic"])
+def test_steady_state_frame_reads_the_host_once_and_stays_under_2500_ops(deep_q4, deterministic):
+    model = nv.load_model(deep_q4, device="cpu", dtype=torch.float32)
+    assert model.stt_model.llm.layers.__len__() == 56 and len(model.stt_model.perception.encoder.layers) == 24
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT,
+                                                                 deterministic=deterministic))
+    wave = synth_audio(1.2)
+    session.push_audio(wave[:10 * 1280], 16000)
+    with count_host_reads() as reads, OpCounter() as ops:
+        events = session.push_audio(wave[10 * 1280:11 * 1280], 16000)
+    assert [e.kind for e in events][-1] == "audio"  # the frame really ran
+    assert sum(reads.values()) <= 2, reads
+    assert ops.non_view <= 2500, ops.ops.most_common(10)
+    # the counters count: the offline path reads the host and runs many more ops
+    with count_host_reads() as reads:
+        model.generate(wave[:2560], deterministic=True)
+    assert sum(reads.values()) > 2
+
+
+def test_deep_model_streams_like_the_reference(deep_q4, reference):
+    """The deep preset exercises what the tiny one cannot (56-layer pattern, global TTS layers every 6th)."""
+    wave = synth_audio(1.0)
+    ref = reference(deep_q4).session.create_streaming_session(system_prompt=PROMPT, seed=0)
+    ref_events = [e for i in range(0, len(wave), 1280) for e in ref.push_audio(wave[i:i + 1280])]
+    session = nv.load_model(deep_q4, device="cpu", dtype=torch.float32).create_streaming_session(
+        nv.StreamingOptions(system_prompt=PROMPT, deterministic=True))
+    events = [e for i in range(0, len(wave), 1280) for e in session.push_audio(wave[i:i + 1280], 16000)]
+    ref_codes = np.stack([np.array(e.audio_codes) for e in ref_events if e.kind == "audio"])
+    codes = np.stack([e.audio_codes for e in events if e.kind == "audio"])
+    np.testing.assert_array_equal(codes, ref_codes)
+    assert [(e.kind, e.frame_index, e.delta) for e in events if e.kind != "audio"] == \
+        [(e.kind, e.frame_index, e.delta) for e in ref_events if e.kind != "audio"]
+
+
+def test_full_size_memory_as_loaded():
+    """Bytes of the 11B model as loaded, from the model built on ``meta`` (nothing allocated)."""
+    config = VoiceChatConfig.full_size()
+    plain = build_model(config, "meta").to(torch.bfloat16)
+    targets = [n for n, m in plain.named_modules()
+               if n.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    sizes = {}
+    for bits in (4, 8):
+        model = build_model(config, "meta", {t: QuantSpec(bits, 64) for t in targets}).to(torch.bfloat16)
+        sizes[bits] = model_bytes(model)
+    bf16 = model_bytes(plain)
+    assert 22.0e9 < bf16 < 22.4e9  # 11.1 B parameters, 2 bytes each
+    assert sizes[4] <= 10e9 and 8.4e9 < sizes[4] < 8.8e9
+    assert 13.0e9 < sizes[8] < 13.6e9
+
+
+def test_checkpoints_we_write_are_read_by_the_reference(tmp_path, reference):
+    """``save_checkpoint`` (our affine quantizer, the mlx-community layout): MLX loads it and streams
+    exactly what we stream."""
+    path = save_checkpoint(random_model("tiny", seed=5), tmp_path / "ours", bits=4)
+    wave = synth_audio(0.8, seed=7)
+    ref = reference(path).session.create_streaming_session(system_prompt=PROMPT, seed=0)
+    ref_audio = [e for e in ref.push_audio(wave) + ref.flush() if e.kind == "audio"]
+    session = nv.load_model(path, device="cpu", dtype=torch.float32).create_streaming_session(
+        nv.StreamingOptions(system_prompt=PROMPT, deterministic=True))
+    ours = [e for e in session.push_audio(wave, 16000) + session.flush() if e.kind == "audio"]
+    np.testing.assert_array_equal(np.stack([e.audio_codes for e in ours]),
+                                  np.stack([np.array(e.audio_codes) for e in ref_audio]))
+    np.testing.assert_allclose(np.concatenate([e.samples for e in ours]),
+                               np.concatenate([np.array(e.samples) for e in ref_audio]), atol=1e-3)
+
+
+def test_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.frame_loop", "--preset", "tiny", "--seconds", "1.6",
+                           "--warmup", "2", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "NVCHAT_BENCH_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("real-time factor", "host reads per frame: 1", "non-view ATen ops per frame", "MLX reference"):
+        assert needle in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    assert report["ours"]["summary"]["frames"] == 20 - 3
+    assert report["reference"]["summary"]["frames"] == 20 - 3
