@@ -58,7 +58,10 @@ class StreamingOptions:
 
 
 class ContextLimit(RuntimeError):
-    """The session reached ``max_streaming_seconds``."""
+    """The session reached ``max_streaming_seconds``. ``events`` holds the events of the frames of
+    the same ``push_audio`` call that ran before the limit; its remaining audio is dropped."""
+
+    events: list = []
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,11 @@ class StreamingSession:
         frames = torch.from_numpy(pending[:n_frames * self.frame_samples]).to(self.model.device)
         events: list[VoiceChatEvent] = []
         for frame in frames.view(n_frames, self.frame_samples):
-            events += self._audio_frame(frame)
+            try:
+                events += self._audio_frame(frame)
+            except ContextLimit as limit:
+                limit.events = events  # the frames of this push that did run; the rest is dropped
+                raise
         return events
 
     def flush(self, pad_partial: bool = True) -> list[VoiceChatEvent]:

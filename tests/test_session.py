@@ -176,9 +176,13 @@ def test_lifecycle(tiny_model, wave):
 
 def test_context_limit(tiny_model, wave):
     session = tiny_model.create_streaming_session(nv.StreamingOptions(max_streaming_seconds=0.24))
-    session.push_audio(wave[:3 * 1280], 16000)
+    session.push_audio(wave[:2 * 1280], 16000)
+    assert session.frame_index == 2
+    with pytest.raises(nv.ContextLimit, match="max_streaming_seconds") as limit:
+        session.push_audio(wave[:2 * 1280], 16000)  # the third frame runs, the fourth would pass the limit
     assert session.frame_index == 3
-    with pytest.raises(nv.ContextLimit, match="max_streaming_seconds"):
+    assert [e.frame_index for e in limit.value.events if e.kind == "audio"] == [2]
+    with pytest.raises(nv.ContextLimit):
         session.push_audio(wave[:1280], 16000)
     with pytest.raises(ValueError, match="max_streaming_seconds"):
         nv.StreamingOptions(max_streaming_seconds=0)
