@@ -43,7 +43,14 @@ def run_reference(model_path: str, wave: np.ndarray, prompt: str | None, seed: i
     model, processor = load(model_path)
     tcfg = model.tts_model.tts_model.config
     tcfg.noise_scale, tcfg.top_p = 0.0, 1e-9  # deterministic: argmax component, no noise
-    session = model.create_session(processor).create_streaming_session(system_prompt=prompt, seed=seed)
+    # The reference's cached perception skips the encoder's xscaling (its offline and uncached paths
+    # apply it, as NeMo does, and so do both of ours): with xscaling on, compare with its uncached path.
+    cached = not model.config.audio_config.encoder.xscaling
+    if not cached:
+        print("note: the encoder uses xscaling, which the reference's cached perception omits; "
+              "comparing with its uncached perception path", file=sys.stderr)
+    session = model.create_session(processor).create_streaming_session(
+        system_prompt=prompt, seed=seed, use_perception_cache=cached)
     trace = Trace()
     original = session._language_step
 

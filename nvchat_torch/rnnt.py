@@ -99,7 +99,8 @@ class RnntJoint(nn.Module):
 @dataclass
 class RnntState:
     """Greedy decoding state: ``hc`` [2 * layers + 1, 1, H] = LSTM h per layer, c per layer, and the
-    prediction-network output for the last emitted token (what the joint consumes next)."""
+    prediction-network output for the last emitted token (what the joint consumes next); the LSTM
+    state is the one after that token (or, at the start, after the zero start input)."""
 
     hc: torch.Tensor
 
@@ -118,8 +119,11 @@ class RnntTranscriber(nn.Module):
         self.max_symbols = max_symbols
 
     def new_state(self) -> RnntState:
-        out, _ = self.decoder(None)  # the start symbol's prediction; the LSTM state stays zero
-        return RnntState(hc=torch.cat([self.decoder.zero_state(), out.transpose(0, 1)]))
+        # The start symbol (a zero input) run from the zero state: its prediction feeds the first joint,
+        # and its LSTM state is the one the first emitted token continues from (as NeMo's greedy
+        # decoding keeps the proposed state of a non-blank step); blanks leave both as they are.
+        out, hc = self.decoder(None)
+        return RnntState(hc=torch.cat([hc, out.transpose(0, 1)]))
 
     def step(self, encoded_frame: torch.Tensor, state: RnntState) -> torch.Tensor:
         """Decode one encoder frame [1, 1, D]; returns ``[max_symbols]`` long ids (-1 = none) and

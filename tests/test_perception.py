@@ -297,6 +297,29 @@ def reference_transcript(ref, encoded_mx) -> tuple[list[int], list, str]:
     return state.tokens, updates, text
 
 
+def test_rnnt_streaming_state_follows_the_reference(ours, ref, ref_offline):
+    """After every frame the prediction network's state is the reference's: the hidden state it
+    continues from (the state after the last emitted token) and the prediction the joint reads next."""
+    stt = ref.model.stt_model
+    ref_state = _RNNTState(ref.session)
+    transcriber = ours.transcriber
+    state = transcriber.new_state()
+    blank = ref.model.config.rnnt_blank_id
+    emitted = 0
+    for t in range(ref_offline.encoded_mx.shape[1]):
+        ref_state.step(ref_offline.encoded_mx[:, t:t + 1])
+        with torch.no_grad():
+            ids = transcriber.step(torch.from_numpy(ref_offline.encoded[:, t:t + 1]), state)
+        emitted += int((ids >= 0).sum())
+        # the reference recomputes its next prediction from (last token, hidden): do the same here
+        token = None if ref_state.last_token == blank else mx.array([[ref_state.last_token]], dtype=mx.int32)
+        pred, proposed = stt.rnnt_decoder(token, ref_state.hidden)
+        np.testing.assert_allclose(state.hc[-1].numpy(), to_np(pred)[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(state.hc[:-1].numpy(), np.concatenate([to_np(h) for h in proposed]),
+                                   rtol=0, atol=1e-5)
+    assert emitted > 0
+
+
 def test_rnnt_prediction_and_joint_match_reference(ours, ref, ref_offline):
     stt = ref.model.stt_model
     ref_pred, ref_hidden = stt.rnnt_decoder(None, None)
@@ -313,8 +336,10 @@ def test_rnnt_prediction_and_joint_match_reference(ours, ref, ref_offline):
         logits = joint(torch.from_numpy(ref_offline.encoded[:, :4]), pred2)
     np.testing.assert_allclose(pred.numpy(), to_np(ref_pred), rtol=0, atol=1e-6)
     with torch.no_grad():
-        start = ours.transcriber.new_state().hc  # zero LSTM state, and the zero input's prediction
-    np.testing.assert_array_equal(start[:-1].numpy(), 0.0)
+        start = ours.transcriber.new_state().hc  # the zero start input's LSTM state and prediction
+    # The first emitted token continues from the state after the start input (not from zeros).
+    np.testing.assert_allclose(start[:-1].numpy(), np.concatenate([to_np(t) for t in ref_hidden]), rtol=0, atol=1e-6)
+    assert np.abs(start[:-1].numpy()).max() > 0
     np.testing.assert_allclose(start[-1].numpy(), to_np(ref_pred)[0], rtol=0, atol=1e-6)
     np.testing.assert_allclose(pred2.numpy(), to_np(ref_pred2), rtol=0, atol=1e-6)
     np.testing.assert_allclose(hidden2.numpy(), np.concatenate([to_np(t) for t in ref_hidden2]), rtol=0, atol=1e-6)

@@ -306,3 +306,35 @@ def test_full_size_model_on_meta_has_the_checkpoint_layout(kind):
     model = build_model(config, "meta", packed)
     got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert got == {k: shape for k, (shape, _) in manifest.items()}
+
+
+def test_prepare_changes_layouts_not_outputs(ckpt_q4, wave):
+    """The post-load transforms (fused projections, tables, int4pack) leave every output as it was."""
+    outputs = []
+    for prepare in (False, True):
+        model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.float32, prepare=prepare)
+        outputs.append(run_stream(model, wave[:16000], PROMPT))
+    plain, prepared = outputs
+    np.testing.assert_array_equal(plain["codes"], prepared["codes"])
+    assert plain["text"] == prepared["text"] and plain["transcript"] == prepared["transcript"]
+    np.testing.assert_allclose(plain["audio"], prepared["audio"], atol=1e-4)
+
+
+def test_xscaling_streams_like_the_references_offline_encoder(tmp_path, ckpt_f32, reference, wave):
+    """With ``xscaling`` on (NeMo's FastConformer default), our cached stream applies it as offline does;
+    the reference's uncached stream (its offline encoder) agrees frame for frame. (Its cached path
+    omits the scaling, so it is not the oracle here.)"""
+    import json
+    import shutil
+
+    path = tmp_path / "xscaling"
+    shutil.copytree(ckpt_f32, path)
+    config = json.loads((path / "config.json").read_text())
+    config["audio_config"]["encoder"]["xscaling"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    ref = run_reference_stream(reference(path), wave, PROMPT, use_perception_cache=False)
+    ours = run_stream(nv.load_model(path, device="cpu", dtype=torch.float32), wave, PROMPT)
+    np.testing.assert_array_equal(ours["codes"], ref["codes"])
+    assert ours["text"] == ref["text"] and ours["transcript"] == ref["transcript"]
+    plain = run_stream(nv.load_model(ckpt_f32, device="cpu", dtype=torch.float32), wave, PROMPT)
+    assert not np.array_equal(plain["codes"], ours["codes"])  # the scaling matters
