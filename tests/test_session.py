@@ -338,3 +338,18 @@ def test_xscaling_streams_like_the_references_offline_encoder(tmp_path, ckpt_f32
     assert ours["text"] == ref["text"] and ours["transcript"] == ref["transcript"]
     plain = run_stream(nv.load_model(ckpt_f32, device="cpu", dtype=torch.float32), wave, PROMPT)
     assert not np.array_equal(plain["codes"], ours["codes"])  # the scaling matters
+
+
+@pytest.mark.parametrize("spec", [
+    dict(seed=12, bits=4, rnnt_blank_boost=-1.0, pattern="M*M-*-M"),  # a dense transcript, another layer pattern
+    dict(seed=13, bits=8, conformer_bias=True, hidden=128, control_codes=(0, 1, 2)),
+], ids=["dense-transcript", "biases-wide"])
+def test_streaming_matches_reference_on_other_seeds_and_shapes(make_checkpoint, reference, spec):
+    path = make_checkpoint(**spec)
+    wave = synth_audio(2.0, seed=spec["seed"])
+    ref = run_reference_stream(reference(path), wave, PROMPT)
+    ours = run_stream(nv.load_model(path, device="cpu", dtype=torch.float32), wave, PROMPT)
+    np.testing.assert_array_equal(ours["codes"], ref["codes"])
+    assert ours["text"] == ref["text"] and ours["function"] == ref["function"]
+    assert ours["transcript"] == ref["transcript"]
+    np.testing.assert_allclose(ours["audio"], ref["audio"], atol=1e-3, rtol=0)
