@@ -72,11 +72,25 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 1024 if sys.platform != "darwin" else rss / 2**20  # KiB on Linux, bytes on macOS
 
 
-def run_ours(path: Path, args, wave: np.ndarray) -> dict:
+def full_random_model(args) -> nv.VoiceChatModel:
+    """The 11B configuration with random weights, made on the device (bfloat16 unless --dtype)."""
+    from nvchat_torch.tiny import random_model
+
+    device = torch.device(args.device)
+    model = random_model("full", device=device, dtype=getattr(torch, args.dtype or "bfloat16"))
+    model.init_constants(device)
+    model.source = "the full-size configuration with random weights"
+    return model.prepare()
+
+
+def run_ours(path: Path | None, args, wave: np.ndarray) -> dict:
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     t0 = time.perf_counter()
-    model = nv.load_model(path, device=device, dtype=dtype, weights=args.weights)
+    if path is None:
+        model = full_random_model(args)
+    else:
+        model = nv.load_model(path, device=device, dtype=dtype, weights=args.weights)
     load_s = time.perf_counter() - t0
     device = model.device
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, seed=0, profile=True))
@@ -165,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.frame_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: generated deep model)")
-    p.add_argument("--preset", default="deep", choices=("deep", "tiny"))
+    p.add_argument("--preset", default="deep", choices=("deep", "tiny", "full"),
+                   help="generated model: deep (tiny widths, real depths), tiny, or full (11B, random "
+                        "weights made on the device, bf16, no checkpoint and no MLX run; needs a large GPU)")
     p.add_argument("--bits", default="4", choices=("4", "8", "none"), help="of the generated model")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
@@ -182,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else generated_checkpoint(args.preset, None if args.bits == "none"
-                                                                   else int(args.bits))
+    if args.model:
+        path = Path(args.model)
+    elif args.preset == "full":
+        path = None
+    else:
+        path = generated_checkpoint(args.preset, None if args.bits == "none" else int(args.bits))
     wave = test_signal(args.seconds)
     ours = run_ours(path, args, wave)
-    ref = None if args.no_reference else run_reference(path, args, wave)
+    ref = None if args.no_reference or path is None else run_reference(path, args, wave)
     s = ours["summary"]
     print(f"machine: {machine()}")
     print(f"model:   {ours['model']} (loaded in {ours['load_s']:.1f} s)")

@@ -157,11 +157,12 @@ def randomize_(model, seed: int = 0, vocabulary: dict[str, int] | None = None) -
     checkpoint buffers: continuation and BOS/EOS flags from ``vocabulary``, control codes, the codec's
     own silence codes, and a bias towards the RNNT blank (a sparse transcript).
     """
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     embeddings = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     for name, p in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        noise = torch.randn(p.shape, generator=g)
+        noise = torch.randn(p.shape, generator=g, device=device)
         if leaf == "A_log":
             continue
         if p.dim() == 0:
@@ -176,7 +177,7 @@ def randomize_(model, seed: int = 0, vocabulary: dict[str, int] | None = None) -
         elif owner in embeddings or leaf == "Aria":
             value = 0.5 * noise
         elif leaf == "rvq_embs":
-            value = noise * 0.8 ** torch.arange(p.shape[0]).view(-1, 1, 1)
+            value = noise * 0.8 ** torch.arange(p.shape[0], device=device).view(-1, 1, 1)
         elif ".mus_list" in name:
             value = noise * 0.8 ** int(leaf)
         elif leaf in ("low_mat", "pos_bias_u", "pos_bias_v"):
@@ -198,20 +199,30 @@ def randomize_(model, seed: int = 0, vocabulary: dict[str, int] | None = None) -
     tts._control_codes.copy_(torch.tensor([8, 1020, 1023], dtype=torch.int32))
     joint_out = model.stt_model.rnnt_joint.joint_net[2]
     joint_out.bias[-1] += 2.0
-    silence = torch.zeros(1, 1, 2 * tts.audio_codec.samples_per_frame)
+    silence = torch.zeros(1, 1, 2 * tts.audio_codec.samples_per_frame, device=device)
     tts.codec_silence_tokens.copy_(tts.audio_codec.encode(silence)[0, :, -1].to(torch.int32))
 
 
-def random_model(preset: str = "tiny", seed: int = 0, **config_kwargs):
-    """A VoiceChatModel of a tiny preset with random weights (CPU, float32, unprepared), with its tokenizer."""
+def random_model(preset: str = "tiny", seed: int = 0, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, **config_kwargs):
+    """A VoiceChatModel with random weights (unprepared), with its tokenizer.
+
+    ``preset``: "tiny", "deep" (tiny widths, real depths) or "full" (the 11B configuration: about
+    44 GB while it is initialised in float32 on ``device``, then ``dtype``; meant for a large GPU).
+    """
     from .config import VoiceChatConfig
     from .model import VoiceChatModel
 
-    config = VoiceChatConfig.from_dict(tiny_config_dict(preset, **config_kwargs))
-    with torch.device("cpu"):
+    if preset == "full":
+        config = VoiceChatConfig.full_size()
+    else:
+        config = VoiceChatConfig.from_dict(tiny_config_dict(preset, **config_kwargs))
+    with torch.device(device), torch.no_grad():
         model = VoiceChatModel(config)
     tokenizer = _hf_tokenizer()
     randomize_(model, seed, tokenizer.get_vocab())
+    if dtype is not None:
+        model = model.to(dtype)
     model.eval().requires_grad_(False)
     model.set_tokenizer(tokenizer)
     model.source = f"embedded {preset} model (random weights, seed {seed})"
@@ -229,7 +240,8 @@ def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype
 
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
-    model = random_model(preset, seed).to(device=device, dtype=dtype)
+    model = random_model(preset, seed).to(device=device, dtype=dtype)  # made on the CPU: same weights anywhere
+    model.init_constants(device)
     return model.prepare() if prepare else model
 
 
