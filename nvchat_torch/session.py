@@ -59,7 +59,7 @@ class _Timeline:
         self.previous_code = model.tts_prompt().codes[:, -1:].clone()  # all mask: a zero code embedding
         self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
         self.prev_text = self.prev_function = self.pad
-        self.silence = model.tts_model._silence(torch.long).view(1, 1, -1)
+        self.silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
         self.index = 0  # timeline position (prompt steps included)
         self.last_hidden: torch.Tensor | None = None
 

@@ -918,9 +918,9 @@ class SpeechDecoder(nn.Module):
         """``prev_codes [1, 1, Q]``, or the silence codes where ``text_id [1]`` is EOS (on the device)."""
         _check_shape("prev_codes", prev_codes, (1, 1, self.config.num_quantizers), integer=True)
         _check_shape("text_id", text_id, (1,), integer=True)
-        return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), self._silence(prev_codes.dtype), prev_codes)
+        return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), self.silence_codes(prev_codes.dtype), prev_codes)
 
-    def _silence(self, dtype: torch.dtype) -> torch.Tensor:
+    def silence_codes(self, dtype: torch.dtype) -> torch.Tensor:
         """The silence codes in ``dtype`` (long: kept by fuse(), so a step converts nothing)."""
         if dtype == torch.long and self.silence_long is not None:
             return self.silence_long
@@ -934,4 +934,4 @@ class SpeechDecoder(nn.Module):
     def replace_control_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """``[..., Q]`` codes with every control code replaced by its quantizer's silence code."""
         is_control = (codes[..., None] == self._control_codes).any(-1)
-        return torch.where(is_control, self._silence(codes.dtype), codes)
+        return torch.where(is_control, self.silence_codes(codes.dtype), codes)
