@@ -154,24 +154,16 @@ def machine() -> str:
 
 def memory_report() -> str:
     """Bytes of the full-size model as loaded, from the model built on ``meta``."""
-    from nvchat_torch.config import QuantSpec, VoiceChatConfig
-    from nvchat_torch.model import build_model
-    from nvchat_torch.tiny import QUANTIZED_PREFIXES
+    from nvchat_torch.model import full_size_bytes
 
-    config = VoiceChatConfig.full_size()
+    rows = [("bf16 (everything dequantized)", None, torch.bfloat16),
+            ("8-bit packed (LLM + vocab), rest bf16", 8, torch.bfloat16),
+            ("4-bit packed (LLM + vocab), rest bf16", 4, torch.bfloat16),
+            ("float32 (everything dequantized)", None, torch.float32)]
     lines = [f"{'layout':<40}{'GB':>8}{'GiB':>8}"]
-    with torch.device("meta"):
-        plain = build_model(config, "meta").to(torch.bfloat16)
-    targets = [name for name, m in plain.named_modules()
-               if name.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    rows = [("bf16 (everything dequantized)", {}), ("8-bit packed (LLM + vocab), rest bf16", QuantSpec(8, 64)),
-            ("4-bit packed (LLM + vocab), rest bf16", QuantSpec(4, 64))]
-    for label, spec in rows:
-        model = build_model(config, "meta", {t: spec for t in targets} if spec else None).to(torch.bfloat16)
-        n = model_bytes(model)
+    for label, bits, dtype in rows:
+        n = full_size_bytes(bits, dtype)
         lines.append(f"{label:<40}{n / 1e9:>8.2f}{n / 2**30:>8.2f}")
-    lines.append(f"{'float32 (everything dequantized)':<40}{2 * model_bytes(plain) / 1e9:>8.2f}"
-                 f"{2 * model_bytes(plain) / 2**30:>8.2f}")
     return "\n".join(lines)
 
 

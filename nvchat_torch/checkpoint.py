@@ -283,6 +283,3 @@ def load_checkpoint(
         state = dict(ckpt.iter_tensors(dtype=dtype, device=device))
         return ckpt.config, state
 
-
-def state_dict_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in state.items()}

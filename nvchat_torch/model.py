@@ -24,10 +24,11 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
 from .config import QuantSpec, VoiceChatConfig
+from .diagnostics import model_bytes
 from .conformer import Perception
 from .events import StreamingOptions, VoiceChatResult
 from .nemotron_h import NemotronHModel, fuse_heads
-from .quant import QuantizedEmbedding, pack_int4, quantize_modules
+from .quant import pack_int4, quantize_modules
 from .rnnt import RnntDecoder, RnntJoint, RnntTranscriber
 from .tts import SpeechDecoder, TTSPrompt
 
@@ -161,15 +162,35 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def build_model(config: VoiceChatConfig, device: torch.device | str = "meta",
-                packed: dict[str, QuantSpec] | None = None,
-                scale_dtypes: dict[str, torch.dtype] | None = None) -> VoiceChatModel:
+                packed: dict[str, QuantSpec] | None = None, dtype: torch.dtype | None = None) -> VoiceChatModel:
     """The module tree for ``config`` on ``device`` (``meta``: shapes only), with the modules in
-    ``packed`` swapped for their packed counterparts (the checkpoint's quantized layout)."""
+    ``packed`` swapped for their packed counterparts (the checkpoint's quantized layout); packed
+    embeddings return ``dtype`` (default: float32)."""
     with torch.device(device):
         model = VoiceChatModel(config)
     if packed:
-        quantize_modules(model, packed, scale_dtypes)
+        quantize_modules(model, packed, embedding_dtype=dtype)
     return model
+
+
+# What the mlx-community conversions quantize ("LLM + vocabulary heads"): each Linear/Embedding under these.
+QUANTIZED_PREFIXES = ("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
+
+
+def mlx_community_specs(model: nn.Module, bits: int, group_size: int = 64) -> dict[str, QuantSpec]:
+    """The modules of ``model`` an mlx-community conversion packs at ``bits`` (those whose input width
+    the group divides), with their affine spec."""
+    return {name: QuantSpec(bits, group_size) for name, m in model.named_modules()
+            if name.startswith(QUANTIZED_PREFIXES) and isinstance(m, (nn.Linear, nn.Embedding))
+            and m.weight.shape[-1] % group_size == 0}
+
+
+def full_size_bytes(bits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of the 11B model as loaded: ``bits`` packed (LLM + vocabulary), the rest in ``dtype``;
+    computed on the ``meta`` device, so nothing is allocated."""
+    config = VoiceChatConfig.full_size()
+    packed = mlx_community_specs(build_model(config), bits) if bits else None
+    return model_bytes(build_model(config, "meta", packed).to(dtype))
 
 
 # Checkpoints converted by other tools may hold convolution weights in MLX's channels-last layout:
@@ -220,11 +241,8 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     with Checkpoint(folder) as ckpt:
         quantized = ckpt.quantized_modules()
         packed = quantized if weights in ("auto", "packed") else {}
-        scale_dtypes = {p: ckpt.get(f"{p}.scales").dtype for p in packed}
-        model = build_model(ckpt.config, "meta", packed, scale_dtypes)
-        for module in model.modules():
-            if isinstance(module, QuantizedEmbedding):
-                module.output_dtype = dtype
+        # Placeholders on meta: the checkpoint's tensors replace them, stored dtypes included.
+        model = build_model(ckpt.config, "meta", packed, dtype)
         expected = set(model.state_dict())
         seen = set()
         for key, tensor in ckpt.iter_tensors(dtype=dtype, device=device, keep_packed=bool(packed)):

@@ -18,7 +18,7 @@ plain ``nn.Linear``/``nn.Embedding`` into these, so the model code itself stays 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -341,38 +341,21 @@ def quantize_modules(model: nn.Module, specs: Mapping[str, QuantSpec], scale_dty
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name, None)
         sdt = scale_dtypes.get(path, torch.bfloat16)
-        device = None
-        if isinstance(old, nn.Linear):
-            device = old.weight.device
-            try:
-                new = QuantizedLinear(old.in_features, old.out_features, old.bias is not None, spec, sdt, device)
-            except ValueError as e:
-                raise ValueError(f"'{path}': {e}") from None
-        elif isinstance(old, nn.Embedding):
-            device = old.weight.device
-            try:
-                new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, spec, sdt, device,
-                                         dtype=embedding_dtype or old.weight.dtype)
-            except ValueError as e:
-                raise ValueError(f"'{path}': {e}") from None
-        else:
+        if not isinstance(old, (nn.Linear, nn.Embedding)):
             raise ValueError(f"'{path}' is quantized in the checkpoint but is a {type(old).__name__}, "
                              "not a Linear or Embedding")
+        try:
+            if isinstance(old, nn.Linear):
+                new = QuantizedLinear(old.in_features, old.out_features, old.bias is not None, spec, sdt,
+                                      old.weight.device)
+            else:
+                new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, spec, sdt, old.weight.device,
+                                         dtype=embedding_dtype or old.weight.dtype)
+        except ValueError as e:  # a width the spec cannot pack
+            raise ValueError(f"'{path}': {e}") from None
         setattr(parent, name, new)
         done.append(path)
     return done
-
-
-def iter_quantized(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    for name, m in model.named_modules():
-        if isinstance(m, (QuantizedLinear, QuantizedEmbedding, Int4PackedLinear)):
-            yield name, m
-
-
-def packed_bits_per_weight(spec: QuantSpec, scale_bytes: int = 2) -> float:
-    """Storage cost per weight including scales (and biases for affine)."""
-    extra = (2 if spec.has_biases else 1) * (scale_bytes if spec.mode == "affine" else 1) * 8 / spec.group_size
-    return spec.bits + extra
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module:

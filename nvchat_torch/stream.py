@@ -92,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         session = model.create_streaming_session(nv.StreamingOptions(
             system_prompt=args.prompt, seed=args.seed, max_streaming_seconds=args.max_streaming_seconds,
             profile=args.profile, deterministic=args.deterministic))
-        chunks: list[np.ndarray] = []
         step = cfg.input_frame_samples
         total = max(1, -(-len(samples) // step))
         events = []

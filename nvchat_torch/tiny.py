@@ -245,9 +245,6 @@ def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype
     return model.prepare() if prepare else model
 
 
-QUANTIZED_PREFIXES = ("stt_model.llm.", "stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
-
-
 def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_size: int = 64,
                     dtype: torch.dtype = torch.float32) -> Path:
     """Write an unprepared VoiceChatModel as an mlx-community checkpoint folder (what mlx-vlm reads).
@@ -259,14 +256,12 @@ def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_si
 
     from safetensors.torch import save_file
 
+    from .model import mlx_community_specs
     from .quant import quantize_affine
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    modules = dict(model.named_modules())
-    quantized = {name for name, m in modules.items()
-                 if bits and name.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
-                 and m.weight.shape[-1] % group_size == 0}
+    quantized = set(mlx_community_specs(model, bits, group_size)) if bits else set()
     tensors = {}
     for key, t in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")

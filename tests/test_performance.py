@@ -14,10 +14,9 @@ import torch
 
 import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch.config import QuantSpec, VoiceChatConfig
-from nvchat_torch.diagnostics import OpCounter, count_host_reads, model_bytes
-from nvchat_torch.model import build_model
-from nvchat_torch.tiny import QUANTIZED_PREFIXES, random_model, save_checkpoint
+from nvchat_torch.diagnostics import OpCounter, count_host_reads
+from nvchat_torch.model import full_size_bytes
+from nvchat_torch.tiny import random_model, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "you are a helpful assistant"
@@ -65,18 +64,11 @@ def test_deep_model_streams_like_the_reference(deep_q4, reference):
 
 def test_full_size_memory_as_loaded():
     """Bytes of the 11B model as loaded, from the model built on ``meta`` (nothing allocated)."""
-    config = VoiceChatConfig.full_size()
-    plain = build_model(config, "meta").to(torch.bfloat16)
-    targets = [n for n, m in plain.named_modules()
-               if n.startswith(QUANTIZED_PREFIXES) and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    sizes = {}
-    for bits in (4, 8):
-        model = build_model(config, "meta", {t: QuantSpec(bits, 64) for t in targets}).to(torch.bfloat16)
-        sizes[bits] = model_bytes(model)
-    bf16 = model_bytes(plain)
-    assert 22.0e9 < bf16 < 22.4e9  # 11.1 B parameters, 2 bytes each
-    assert sizes[4] <= 10e9 and 8.4e9 < sizes[4] < 8.8e9
-    assert 13.0e9 < sizes[8] < 13.6e9
+    assert 22.0e9 < full_size_bytes() < 22.4e9  # 11.1 B parameters, 2 bytes each
+    assert 44.0e9 < full_size_bytes(dtype=torch.float32) < 44.8e9
+    four = full_size_bytes(4)
+    assert four <= 10e9 and 8.4e9 < four < 8.8e9
+    assert 13.0e9 < full_size_bytes(8) < 13.6e9
 
 
 def test_checkpoints_we_write_are_read_by_the_reference(tmp_path, reference):
