@@ -1,15 +1,14 @@
-"""WAV input/output, band-limited resampling and input validation (no torchaudio)."""
+"""WAV input/output, pcm16, resampling (soxr) and input validation (no torchaudio)."""
 
 from __future__ import annotations
 
-import math
 import os
-from fractions import Fraction
 
 import numpy as np
 import torch
 
-__all__ = ["read_wav", "write_wav", "resample", "prepare_input", "as_mono_float32"]
+__all__ = ["read_wav", "write_wav", "resample", "StreamResampler", "pcm16_decode", "pcm16_encode",
+           "prepare_input", "as_mono_float32"]
 
 
 def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
@@ -29,46 +28,70 @@ def write_wav(path: str | os.PathLike, samples: np.ndarray, sample_rate: int) ->
     """Write mono float samples as 16-bit PCM: ``round(clip(x, -1, 1) * 32767)`` (the reference's encoding)."""
     import soundfile as sf
 
-    pcm = np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
+    pcm = np.frombuffer(pcm16_encode(samples), dtype="<i2")
     sf.write(os.fspath(path), pcm, sample_rate, subtype="PCM_16")
 
 
-def resample(x: np.ndarray, orig_sr: int, new_sr: int, zeros: int = 16, rolloff: float = 0.95) -> np.ndarray:
-    """Band-limited resampling of ``x [..., N]`` with a Hann-windowed sinc, as a strided polyphase conv.
-
-    Output sample j sits at input time ``j * orig_sr / new_sr``; the low-pass cut-off is ``rolloff`` times
-    the lower of the two Nyquist frequencies, and the kernel spans ``zeros`` zero crossings each side.
-    Output length ``ceil(N * new_sr / orig_sr)``.
-    """
+def resample(x: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
+    """Resample ``x [..., N]`` (float32) with soxr's high-quality filter, the library audio tools use.
+    Output length ``round(N * new_sr / orig_sr)``."""
+    x = np.asarray(x, dtype=np.float32)
     if orig_sr == new_sr:
-        return np.asarray(x, dtype=np.float32)
-    ratio = Fraction(new_sr, orig_sr)
-    up, down = ratio.numerator, ratio.denominator
-    cutoff = min(1.0, up / down) * rolloff  # in cycles per input sample, relative to Nyquist
-    half = zeros / cutoff  # kernel half-width in input samples
-    taps = int(math.ceil(half))
-    # Kernel for output phase p at input offset i (tap t = i + taps): h(p*down/up - i).
-    i = torch.arange(-taps, taps + down + 1, dtype=torch.float32)
-    t = torch.arange(up, dtype=torch.float32)[:, None] * down / up - i[None, :]
-    window = torch.where(t.abs() <= half, 0.5 + 0.5 * torch.cos(math.pi * t / half), torch.zeros(()))
-    kernel = cutoff * torch.special.sinc(cutoff * t) * window  # [up, taps]; conv1d correlates, as wanted
-    src = torch.as_tensor(np.asarray(x, dtype=np.float32))
-    lead, n = src.shape[:-1], src.shape[-1]
-    src = torch.nn.functional.pad(src.reshape(-1, 1, n), (taps, taps + down))
-    out = torch.nn.functional.conv1d(src, kernel[:, None, :], stride=down)  # [B, up, frames]
-    n_out = int(math.ceil(n * up / down))
-    out = out.transpose(1, 2).reshape(out.shape[0], -1)[:, :n_out]
-    return out.reshape(*lead, n_out).numpy()
+        return x
+    import soxr
+
+    lead, n = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, n).T  # soxr takes [frames, channels]
+    out = soxr.resample(np.ascontiguousarray(rows), orig_sr, new_sr, quality="HQ")
+    return np.ascontiguousarray(out.T.reshape(*lead, -1), dtype=np.float32)
 
 
-_OK_DTYPES = ("float32", "float64", "int16")
+class StreamResampler:
+    """Resample a mono stream chunk by chunk (soxr ``ResampleStream``): the concatenated output of
+    the chunks, with ``last=True`` on the final one, is one resampling of the whole stream.
+    Passes chunks through unchanged when the rates are equal."""
+
+    def __init__(self, in_rate: int, out_rate: int):
+        self.in_rate, self.out_rate = in_rate, out_rate
+        self._stream = None
+        if in_rate != out_rate:
+            import soxr
+
+            self._stream = soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, chunk: np.ndarray, last: bool = False) -> np.ndarray:
+        chunk = np.asarray(chunk, dtype=np.float32)
+        if self._stream is None:
+            return chunk
+        out = self._stream.resample_chunk(chunk, last=last)
+        if last:  # ready for a new stream
+            self._stream.clear()
+        return out
+
+
+def pcm16_decode(data: bytes) -> np.ndarray:
+    """Little-endian 16-bit PCM to float32: ``int16 / 32768``."""
+    if len(data) % 2:
+        raise ValueError(f"pcm16 audio must have an even number of bytes, got {len(data)}")
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def pcm16_encode(samples: np.ndarray) -> bytes:
+    """Float samples to little-endian 16-bit PCM: ``round(clip(x, -1, 1) * 32767)``."""
+    return np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+_OK_DTYPES = ("float32", "float64", "float16", "int16")
+FLOAT_PEAK_LIMIT = 4.0  # float audio is in [-1, 1]; resampling may overshoot a little, int16 values do not fit
 
 
 def as_mono_float32(samples, sample_rate: int, expected_rate: int) -> np.ndarray:
     """Validate a user chunk and return it as contiguous float32 mono ``[N]``.
 
-    Accepts numpy arrays, torch tensors and lists; float32/float64 in [-1, 1] or int16 PCM (/ 32768).
-    Raises ``ValueError`` naming what is wrong: the sample rate, more than one channel, NaN/Inf, the dtype.
+    Accepts numpy arrays, torch tensors (bfloat16 and float16 included) and Python lists or tuples;
+    float samples in [-1, 1], or int16 PCM (/ 32768), which a list of ints is taken to be.
+    Raises ``ValueError`` naming what is wrong: the sample rate, more than one channel, NaN/Inf, the
+    dtype, ints outside int16, float samples far outside [-1, 1] (int16 values stored as floats).
     """
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)):
         raise ValueError(f"sample_rate must be an int, got {sample_rate!r}")
@@ -76,8 +99,24 @@ def as_mono_float32(samples, sample_rate: int, expected_rate: int) -> np.ndarray
         raise ValueError(f"expected {expected_rate} Hz audio, got sample_rate={sample_rate}; resample it first "
                          "(nvchat_torch.audio_io.resample)")
     if isinstance(samples, torch.Tensor):
-        samples = samples.detach().cpu().numpy()
-    arr = np.asarray(samples)
+        samples = samples.detach()
+        if samples.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16; float32 holds both exactly
+            samples = samples.float()
+        samples = samples.cpu().numpy()
+    if isinstance(samples, (list, tuple)):
+        try:
+            arr = np.asarray(samples)
+        except ValueError as e:
+            raise ValueError(f"audio given as a list must be a flat list of numbers ({e})") from None
+        if arr.dtype.kind in "iu":  # Python ints: int16 PCM values
+            if arr.size and (arr.min() < -32768 or arr.max() > 32767):
+                raise ValueError(f"a list of ints is taken as int16 PCM, but its values span {arr.min()}..{arr.max()}, "
+                                 "outside -32768..32767")
+            arr = arr.astype(np.int16)
+        elif arr.dtype.kind not in "f" and arr.size == 0:
+            arr = arr.astype(np.float32)
+    else:
+        arr = np.asarray(samples)
     if arr.dtype.name not in _OK_DTYPES:
         raise ValueError(f"unsupported sample dtype {arr.dtype}: pass float32, float64 or int16 PCM")
     if arr.ndim == 2 and 1 in arr.shape:
@@ -89,6 +128,10 @@ def as_mono_float32(samples, sample_rate: int, expected_rate: int) -> np.ndarray
     if not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"audio contains NaN or Inf (first at sample {bad})")
+    peak = float(np.abs(arr).max()) if arr.size else 0.0
+    if peak > FLOAT_PEAK_LIMIT:
+        raise ValueError(f"float audio must lie in [-1, 1], but its peak is {peak:g}: these are probably int16 "
+                         "values stored as floats; pass them as int16, or divide by 32768")
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 

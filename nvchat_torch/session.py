@@ -70,6 +70,25 @@ class _Timeline:
         cfg = self.config
         return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
 
+    def prefill(self, user: torch.Tensor) -> None:
+        """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD): one
+        LLM call over the prompt (its inputs do not depend on its outputs), then the TTS steps one by
+        one as the reference runs them (text PAD; position 0 runs no TTS)."""
+        n = user.shape[1]
+        if not n:
+            return
+        pad = self.pad.expand(1, n)
+        fused = fused_input(self.embed, pad, user, pad, self.config.function_channel_weight)
+        if self.language_cache is not None:
+            hidden = self.llm(fused, self.language_cache)
+        else:
+            self.history.append(fused)
+            hidden = self.llm(torch.cat(self.history, dim=1))
+        self.last_hidden = hidden[:, -1:]
+        self.prev_text = self.prev_function = self.pad
+        for _ in range(n):
+            self.speech(self.pad.view(1))
+
     def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
         """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""
         fused = fused_input(self.embed, self.prev_text, user, self.prev_function,
@@ -112,10 +131,10 @@ class StreamingSession:
         self.options = options
         cfg = self.config = model.config
         self.frame_samples = cfg.input_frame_samples
-        self.max_frames = (None if options.max_streaming_seconds is None
-                           else int(options.max_streaming_seconds / cfg.frame_duration))
         self.frame_index = 0
         self.closed = False
+        self._failure: BaseException | None = None  # what closed the session mid-frame
+        self.last_ids: tuple[int, int] | None = None  # the latest frame's (text, function) token ids
         self.profile = VoiceChatProfile(frame_duration_ms=cfg.frame_duration * 1000.0)
         self._pending = np.zeros(0, dtype=np.float32)
         perception = model.stt_model.perception
@@ -132,12 +151,22 @@ class StreamingSession:
                 self._window_samples = window
             self._rnnt_state = self._transcriber.new_state()
             self._codec_cache = model.tts_model.audio_codec.new_cache()
-            for token_id in self._timeline.prompt_ids(options.system_prompt):
-                # Prefill: the prompt rides on the user channel with the output channels off (PAD),
-                # advancing the LLM and TTS timeline; no codec, no events, frame_index stays 0.
-                user = self._timeline.embed(torch.tensor([[token_id]], device=model.device))
-                self._timeline.language(user, generate=False)
-                self._timeline.speech(self._timeline.pad.view(1))
+            prompt = self._timeline.prompt_ids(options.system_prompt)
+            # The model's own limit: every LLM position (prompt and frames) within max_position_embeddings,
+            # and the TTS positions (speaker prompt + the same timeline) within the rotary tables built at load.
+            tts = model.tts_model.tts_model
+            self.model_max_frames = min(cfg.text_config.max_position_embeddings - len(prompt),
+                                        tts.backbone.max_positions - self._timeline.tts_cache.offset - len(prompt) + 1)
+            if self.model_max_frames < 1:
+                raise ValueError(f"the system prompt ({len(prompt)} tokens) leaves no room in the model's context "
+                                 f"of {cfg.text_config.max_position_embeddings} positions")
+            self.max_frames = self.model_max_frames
+            if options.max_streaming_seconds is not None:
+                self.max_frames = min(self.max_frames, int(options.max_streaming_seconds / cfg.frame_duration))
+            # Prefill: the prompt rides on the user channel with the output channels off (PAD),
+            # advancing the LLM and TTS timeline; no codec, no events, frame_index stays 0.
+            if prompt:
+                self._timeline.prefill(self._timeline.embed(torch.tensor([prompt], device=model.device)))
         skip = {cfg.pad_token_id, cfg.silence_token_id, cfg.bos_token_id, cfg.eos_token_id}
         self._text = TokenAccumulator(model.tokenizer, skip)
         self._function = TokenAccumulator(model.tokenizer, skip)
@@ -159,6 +188,17 @@ class StreamingSession:
     @property
     def timeline_index(self) -> int:
         return self._timeline.index
+
+    @property
+    def max_seconds(self) -> float:
+        """How long this session may stream: ``max_streaming_seconds``, or the model's own limit."""
+        return self.max_frames * self.config.frame_duration
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes the session's caches hold: the two that grow with the session (LLM, TTS) and the rest."""
+        timeline = self._timeline
+        language = timeline.language_cache.nbytes if timeline.language_cache is not None else 0
+        return {"language": language, "tts": timeline.tts_cache.nbytes}
 
     # ---- input
     def push_audio(self, samples, sample_rate: int = 16000) -> list[VoiceChatEvent]:
@@ -260,6 +300,7 @@ class StreamingSession:
         q = self.config.tts_config.num_quantizers
         transcript_ids = packed[:n_rnnt].astype(np.int64)
         text_id, function_id = int(packed[n_rnnt]), int(packed[n_rnnt + 1])
+        self.last_ids = (text_id, function_id)  # PAD and EOS included: servers read turn ends from them
         codes = packed[n_rnnt + 2:n_rnnt + 2 + q].astype(np.int32)
         samples = packed[n_rnnt + 2 + q:].astype(np.float32)
         i = self.frame_index
