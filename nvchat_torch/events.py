@@ -58,10 +58,13 @@ class StreamingOptions:
 
 
 class ContextLimit(RuntimeError):
-    """The session reached ``max_streaming_seconds``. ``events`` holds the events of the frames of
-    the same ``push_audio`` call that ran before the limit; its remaining audio is dropped."""
+    """The session reached its length limit (``max_streaming_seconds``, or the model's own context).
+    ``events`` holds the events of the frames of the same ``push_audio`` call that ran before the
+    limit; its remaining audio is dropped. ``flush()`` then ends the session without raising."""
 
-    events: list = []
+    def __init__(self, message: str, events: list | None = None):
+        super().__init__(message)
+        self.events: list = [] if events is None else events
 
 
 @dataclass(frozen=True)
@@ -127,23 +130,49 @@ class VoiceChatProfile:
 
 class TokenAccumulator:
     """Cumulative text of one output channel: ids in ``skip`` are dropped; ``delta`` is the new suffix
-    of the cumulative decode when it extends the old one, else the single-token decode."""
+    of the cumulative decode when it extends the old one, else the single-token decode.
+
+    The cumulative decode is kept incrementally, as LLM servers' streaming detokenizers do: only a
+    small tail window of tokens is decoded per token (the ones since the last stable point, plus
+    the window before them for context), so a token costs O(1) however long the session. ``text``
+    equals ``tokenizer.decode(tokens)`` at every step: a window that does not extend its prefix's
+    decode (a tokenizer cleaning up across the boundary) falls back to one full decode.
+    """
+
+    MAX_TAIL = 16  # tokens kept undecided while the tail ends in an incomplete character
 
     def __init__(self, tokenizer, skip: set[int]):
         self.tokenizer = tokenizer
         self.skip = skip
         self.tokens: list[int] = []
         self.text = ""
+        self._prefix = 0  # tokens[prefix:read] is the context window before the undecided tail
+        self._read = 0  # tokens[:read] decode to self._stable
+        self._stable = ""
+        self._prefix_text = ""  # decode(tokens[prefix:read])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def append(self, token_id: int) -> tuple[str, str] | None:
         if token_id in self.skip:
             return None
         self.tokens.append(token_id)
-        updated = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
+        window = self._decode(self.tokens[self._prefix:])
+        if window.startswith(self._prefix_text):
+            updated = self._stable + window[len(self._prefix_text):]
+            settle = not updated.endswith("\ufffd") or len(self.tokens) - self._read >= self.MAX_TAIL
+        else:  # the new token changed text before the window: decode everything once
+            updated = self._decode(self.tokens)
+            settle = True
+        if settle:
+            self._stable = updated
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
         if updated.startswith(self.text):
             delta = updated[len(self.text):]
         else:  # a tokenizer may revise a partial multi-byte sequence; the cumulative text stays authoritative
-            delta = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            delta = self._decode([token_id])
         self.text = updated
         return delta, updated
 

@@ -34,6 +34,7 @@ from .quant import QuantizedLinear, concat_linears
 __all__ = [
     "MambaCache",
     "KVCache",
+    "grown_capacity",
     "LanguageCache",
     "NemotronHMamba2Mixer",
     "NemotronHAttention",
@@ -98,11 +99,29 @@ class MambaCache:
     offset: int = 0  # positions consumed so far
 
 
+def grown_capacity(capacity: int, needed: int, limit: int | None = None) -> int:
+    """The next length of a key/value buffer that holds ``capacity`` positions and must hold ``needed``:
+    whole ``KV_BLOCK``s, at least 1.5 times the old length (so the copies of a whole session add up to
+    O(positions): a buffer grows about a dozen times in an hour), and not past ``limit`` unless
+    ``needed`` is."""
+    size = -(-max(needed, capacity * 3 // 2) // KV_BLOCK) * KV_BLOCK
+    if limit is not None:
+        size = min(size, limit)
+    return max(size, needed)
+
+
 @dataclass
 class KVCache:
-    keys: torch.Tensor  # [B, kv_heads, capacity, head_dim]; valid up to offset
+    """Keys and values ``[B, kv_heads, capacity, head_dim]``, valid up to ``offset``.
+
+    The buffers grow by :func:`grown_capacity` (amortized copying). ``blocks`` is what the reference
+    would hold, whole 256-slot blocks: its dtype rule applies when that grows (see the module docstring)."""
+
+    keys: torch.Tensor
     values: torch.Tensor
     offset: int = 0
+    limit: int | None = None  # positions the model supports (max_position_embeddings)
+    blocks: int = 0  # slots the reference would have allocated (0: none yet)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, kv_heads, L, head_dim]`` at ``offset``; return all keys and values so far."""
@@ -110,26 +129,45 @@ class KVCache:
         if self.offset == 0 and keys.dtype != self.keys.dtype:  # MLX allocates on the first write, in its dtype
             self.keys = self.keys.new_zeros(self.keys.shape, dtype=keys.dtype)
             self.values = self.values.new_zeros(self.values.shape, dtype=values.dtype)
+        if end > self.blocks:
+            if self.blocks:  # MLX concatenates a new block: a wider write promotes the buffer for good
+                self.keys = self.keys.to(torch.promote_types(self.keys.dtype, keys.dtype))
+                self.values = self.values.to(torch.promote_types(self.values.dtype, values.dtype))
+            self.blocks = -(-end // KV_BLOCK) * KV_BLOCK
         if end > self.keys.shape[2]:
-            self.keys = self._grown(self.keys, end, keys.dtype)
-            self.values = self._grown(self.values, end, values.dtype)
+            size = grown_capacity(self.keys.shape[2], end, self.limit)
+            self.keys = self._grown(self.keys, size)
+            self.values = self._grown(self.values, size)
         self.keys[:, :, self.offset:end] = keys
         self.values[:, :, self.offset:end] = values
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def _grown(self, buf: torch.Tensor, needed: int, dtype: torch.dtype) -> torch.Tensor:
-        """A larger buffer, whole blocks, in the promoted dtype (MLX concatenates a new block)."""
-        capacity = -(-needed // KV_BLOCK) * KV_BLOCK
-        out = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[3]), dtype=torch.promote_types(buf.dtype, dtype))
+    def _grown(self, buf: torch.Tensor, size: int) -> torch.Tensor:
+        out = buf.new_empty((*buf.shape[:2], size, buf.shape[3]))
         out[:, :, :self.offset] = buf[:, :, :self.offset]
         return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
 @dataclass
 class LanguageCache:
     layers: list[MambaCache | KVCache | None]  # one per layer, None for MLP layers
     offset: int = 0  # positions consumed so far
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer the cache holds (allocated, not only the positions in use)."""
+        total = 0
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                total += c.nbytes
+            elif isinstance(c, MambaCache):
+                total += c.conv_state.nbytes + c.ssm_state.nbytes
+        return total
 
 
 # --------------------------------------------------------------------------------------
@@ -421,7 +459,8 @@ class NemotronHModel(nn.Module):
             elif block_type == "*":
                 shape = (batch, cfg.num_key_value_heads, KV_BLOCK, cfg.head_dim)
                 layers.append(KVCache(torch.zeros(shape, device=device, dtype=dtype),
-                                      torch.zeros(shape, device=device, dtype=dtype)))
+                                      torch.zeros(shape, device=device, dtype=dtype),
+                                      limit=cfg.max_position_embeddings))
             else:
                 layers.append(None)
         return LanguageCache(layers)

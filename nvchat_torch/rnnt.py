@@ -172,14 +172,17 @@ def decode_pieces(ids: Iterable[int], vocabulary: list[str]) -> str:
 class TranscriptText:
     """Host-side transcript: takes each frame's ids once and reports ``(delta, text)`` when it grew.
 
-    ``delta`` is the new suffix of ``text``, or the whole text when an earlier part changed;
-    ``update`` returns None when the frame appended no token (blank, -1 or special pieces only).
+    ``text`` is ``decode_pieces(tokens).strip()``, kept incrementally: pieces only append, so a
+    frame joins its own pieces and the stripped text grows at its end (trailing whitespace waits in
+    ``_space`` until something follows it). ``delta`` is the new suffix of ``text``; ``update``
+    returns None when the frame appended no token (blank, -1 or special pieces only).
     """
 
     def __init__(self, vocabulary: list[str]):
         self.vocabulary = list(vocabulary)
         self.tokens: list[int] = []
         self.text = ""
+        self._space = ""  # whitespace after ``text`` in the joined pieces, kept once more text follows
 
     def is_special(self, token: int) -> bool:
         return 0 <= token < len(self.vocabulary) and is_special_piece(self.vocabulary[token])
@@ -189,7 +192,10 @@ class TranscriptText:
         if not new:
             return None
         self.tokens.extend(new)
-        text = decode_pieces(self.tokens, self.vocabulary).strip()
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
-        return delta, text
+        tail = self._space + decode_pieces(new, self.vocabulary)
+        if not self.text:
+            tail = tail.lstrip()
+        delta = tail.rstrip()
+        self._space = tail[len(delta):] if delta or self.text else ""
+        self.text += delta
+        return delta, self.text

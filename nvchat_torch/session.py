@@ -203,7 +203,12 @@ class StreamingSession:
     # ---- input
     def push_audio(self, samples, sample_rate: int = 16000) -> list[VoiceChatEvent]:
         """Buffer ``samples`` (mono float32/float64/int16, array or tensor, any length) and run one
-        timeline step per complete 1280-sample frame; returns those frames' events."""
+        timeline step per complete 1280-sample frame; returns those frames' events.
+
+        Bad input raises ``ValueError`` and changes nothing. Past the session's limit it raises
+        :class:`ContextLimit` (with the events of this call's frames that ran). A frame that fails
+        closes the session: every later call raises an error naming that failure."""
+        self._check_usable("push_audio")
         if self.closed:
             raise RuntimeError("push_audio: the session is closed (flushed or cancelled); create a new one")
         chunk = as_mono_float32(samples, sample_rate, self.config.input_sample_rate)
@@ -216,28 +221,31 @@ class StreamingSession:
         events: list[VoiceChatEvent] = []
         for frame in frames.view(n_frames, self.frame_samples):
             try:
-                events += self._audio_frame(frame)
+                events += self._step(frame)
             except ContextLimit as limit:
                 limit.events = events  # the frames of this push that did run; the rest is dropped
                 raise
         return events
 
     def flush(self, pad_partial: bool = True) -> list[VoiceChatEvent]:
-        """End the stream: zero-pad and run the partial frame if asked, close, emit ``done``."""
+        """End the stream: zero-pad and run the partial frame if asked (not past the session's limit:
+        then it is dropped), close, emit ``done``."""
+        self._check_usable("flush")
         if self.closed:
             return []
         events: list[VoiceChatEvent] = []
-        if self._pending.size and pad_partial:
+        if self._pending.size and pad_partial and self.frame_index < self.max_frames:
             frame = np.zeros(self.frame_samples, dtype=np.float32)
             frame[:self._pending.size] = self._pending
             self._pending = np.zeros(0, dtype=np.float32)
-            events += self._audio_frame(torch.from_numpy(frame).to(self.model.device))
+            events += self._step(torch.from_numpy(frame).to(self.model.device))
         self._close()
         events.append(VoiceChatEvent(kind="done", frame_index=self.frame_index))
         return events
 
     def cancel(self) -> list[VoiceChatEvent]:
         """Drop pending audio, close, emit ``cancelled``."""
+        self._check_usable("cancel")
         if self.closed:
             return []
         self._close()
@@ -249,11 +257,34 @@ class StreamingSession:
             self._codec_cache.clear()
         self.closed = True
 
+    def _check_usable(self, call: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"{call}: the session was closed when frame {self.frame_index} failed with "
+                               f"{type(self._failure).__name__}: {self._failure}; create a new one") from self._failure
+
     # ---- the frame loop
+    def _step(self, frame: torch.Tensor) -> list[VoiceChatEvent]:
+        """One frame, or ContextLimit before it (nothing changes); a failure inside closes the session,
+        as its caches may be partly advanced."""
+        if self.frame_index >= self.max_frames:
+            ms = self.config.frame_duration * 1000
+            if self.max_frames < self.model_max_frames:
+                raise ContextLimit(f"the session reached max_streaming_seconds={self.options.max_streaming_seconds} "
+                                   f"({self.max_frames} frames of {ms:.0f} ms)")
+            raise ContextLimit(f"the session reached the model's context: {self.max_frames} frames of {ms:.0f} ms "
+                               f"({self.max_seconds / 60:.1f} min) after the system prompt, within "
+                               f"max_position_embeddings={self.config.text_config.max_position_embeddings}")
+        try:
+            return self._audio_frame(frame)
+        except BaseException as error:
+            self._failure = error
+            try:
+                self._close()
+            except Exception:  # the original failure is what the caller needs to see
+                self.closed = True
+            raise
+
     def _audio_frame(self, frame: torch.Tensor) -> list[VoiceChatEvent]:
-        if self.max_frames is not None and self.frame_index >= self.max_frames:
-            raise ContextLimit(f"the session reached max_streaming_seconds={self.options.max_streaming_seconds} "
-                               f"({self.max_frames} frames of {self.config.frame_duration * 1000:.0f} ms)")
         profile = self.options.profile
         device = self.model.device
         stamps = [time.perf_counter()]
@@ -354,20 +385,14 @@ def generate_offline(model, audio, *, system_prompt: str | None, seed: int, dete
         timeline = _Timeline(model, seed, deterministic, use_language_cache)
         prompt = timeline.prompt_ids(system_prompt)
         if prompt:
-            embeds = model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype)
-            user = torch.cat([embeds, projected], dim=1)
-        else:
-            user = projected
-        n_prompt = len(prompt)
-        pad = timeline.pad.view(1).repeat(2)
+            timeline.prefill(model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype))
         ids, codes = [], []
-        for t in range(user.shape[1]):
-            step_ids = timeline.language(user[:, t:t + 1], generate=t >= n_prompt)
-            step_ids = pad if step_ids is None else step_ids
+        for t in range(projected.shape[1]):
+            first = timeline.index == 0  # timeline position 0 runs no TTS: its codes are 0
+            step_ids = timeline.language(projected[:, t:t + 1], generate=True)
             step_codes = timeline.speech(step_ids[:1])
-            if t >= n_prompt:
-                ids.append(step_ids)
-                codes.append(torch.zeros_like(step_codes) if t == 0 else step_codes)
+            ids.append(step_ids)
+            codes.append(torch.zeros_like(step_codes) if first else step_codes)
         codes = model.tts_model.replace_control_codes(torch.cat(codes, dim=1))  # [1, frames, Q]
         audio_out = model.tts_model.audio_codec.decode(codes.transpose(1, 2))[0, 0]
         transcript_ids = model.transcriber.greedy_decode(encoded)

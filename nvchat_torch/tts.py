@@ -27,6 +27,7 @@ from torch import nn
 
 from .codec import Codec
 from .config import CharacterEncoderConfig, CodecConfig, MoGConfig, TTSConfig
+from .nemotron_h import grown_capacity
 from .quant import concat_linears
 
 __all__ = [
@@ -47,8 +48,7 @@ __all__ = [
 
 SUBWORD_VOCAB_SIZE = 131_072  # rows of the checkpoint's subword-flag tables (fixed by the reference)
 PROMPT_FRAMES = 37  # frames of the speaker prompt latents (3 s)
-KV_CHUNK = 256  # key/value buffers grow by this many positions, on the host, never per step
-ROPE_POSITIONS = 8192  # initial length of the rotary tables (they double when a session outgrows them)
+ROPE_POSITIONS = 8192  # rotary table length until the model reserves its own (GemmaBackbone.reserve_positions)
 MASKED_SCORE = -1e30  # finite, so a row with every key masked stays finite (parity trap 27)
 GUMBEL_EPS = 1e-8
 
@@ -125,7 +125,8 @@ class Rotary(nn.Module):
 
     ``sin`` is stored with the sign of the rotation folded in (``[-sin, sin]``), so applying it is
     ``x * cos + swap_halves(x) * sin``, computed in float32. The tables are constants: recreated in float32 by
-    ``init_constants`` and after any ``.to()``, and doubled on the host when a position outgrows them.
+    ``init_constants`` and after any ``.to()``, sized by :meth:`reserve` when the model is built or loaded,
+    never while a session steps (sessions share them).
     """
 
     def __init__(self, dim: int, base: float, positions: int = ROPE_POSITIONS):
@@ -154,10 +155,16 @@ class Rotary(nn.Module):
         cos, sin = self.table(position, 1)
         return (torch.diag_embed(cos[0]) + self.swap * sin).to(dtype)
 
+    def reserve(self, positions: int) -> None:
+        """Make the tables cover ``positions`` positions (at load time)."""
+        if positions > self.cos.shape[0]:
+            self.init_constants(self.cos.device, positions)
+
     def table(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[length, dim]`` for positions ``start .. start + length - 1`` (views)."""
         if start + length > self.cos.shape[0]:
-            self.init_constants(self.cos.device, max(2 * self.cos.shape[0], start + length))
+            raise ValueError(f"position {start + length - 1} is past the rotary table ({self.cos.shape[0]} "
+                             "positions, the model's limit); a session stops before it with ContextLimit")
         return self.cos[start:start + length], self.sin[start:start + length]
 
     @staticmethod
@@ -219,28 +226,32 @@ class TTSCache:
 
     A global layer (``window`` None) keeps every position at slot = position. A sliding layer keeps
     the last ``window`` positions, the current one included, in a ring (slot = position % window).
-    Buffers grow by ``KV_CHUNK`` positions on the host (a sliding one up to its window) and are
-    written in place. ``offset``: positions written so far (warmup included), the next RoPE position.
+    Buffers grow on the host by :func:`~nvchat_torch.nemotron_h.grown_capacity` (a sliding one up to its
+    window, a global one up to ``limit``) and are written in place. ``offset``: positions written so far
+    (warmup included), the next RoPE position.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     windows: list[int | None]
     offset: int = 0
+    limit: int | None = None  # positions the rotary tables cover
 
     def _reserve(self, layer: int, needed: int) -> None:
         capacity = self.keys[layer].shape[2]
         if needed <= capacity:
             return
-        size = -(-needed // KV_CHUNK) * KV_CHUNK
         window = self.windows[layer]
-        if window is not None:
-            size = min(size, window)
+        size = grown_capacity(capacity, needed, self.limit if window is None else window)
         for buffers in (self.keys, self.values):
             old = buffers[layer]
-            grown = old.new_zeros(*old.shape[:2], size, old.shape[3])
+            grown = old.new_empty(*old.shape[:2], size, old.shape[3])
             grown[:, :, :capacity] = old
             buffers[layer] = grown
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``[2, kv_heads, n, head_dim]`` at positions ``offset .. offset + n - 1``; return every
@@ -345,13 +356,23 @@ class GemmaBackbone(nn.Module):
         self.rope_local = Rotary(config.head_dim, config.rope_local_base_freq)
         self.rope_global = Rotary(config.head_dim, config.rope_global_base_freq)
 
+    @property
+    def max_positions(self) -> int:
+        return self.rope_global.cos.shape[0]
+
+    def reserve_positions(self, positions: int) -> None:
+        """Build the rotary tables for ``positions`` positions (the model does it when built, from the
+        LLM's ``max_position_embeddings``), so no session changes them while stepping."""
+        self.rope_local.reserve(positions)
+        self.rope_global.reserve(positions)
+
     def new_cache(self) -> TTSCache:
         """An empty cache (two rows: conditional, unconditional) in the model's dtype and device."""
         attn = self.layers[0].self_attn
         like = self.norm.weight
         empty = [like.new_zeros(2, attn.n_kv_heads, 0, attn.head_dim) for _ in range(2 * len(self.layers))]
         windows = [self.window if layer.sliding else None for layer in self.layers]
-        return TTSCache(empty[::2], empty[1::2], windows)
+        return TTSCache(empty[::2], empty[1::2], windows, limit=self.max_positions)
 
     def _run(self, x: torch.Tensor, cache: TTSCache | None, start: int,
              masks: dict[bool, torch.Tensor | None]) -> torch.Tensor:
@@ -532,7 +553,7 @@ class CharAwareSubwordEncoder(nn.Module):
         device = self.embed_tokens.weight.device
         self.char_ids = table.to(device)
         self.char_counts = torch.tensor([len(s) for s in spelled], dtype=torch.int32, device=device)
-        self.rope.table(0, width)  # grow the rotary table now, not in a step
+        self.rope.reserve(width)  # now, not in a step
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``ids [B, T]`` (and the positions to encode, ``mask [B, T]``, default all) -> ``[B, T, out]``."""
