@@ -1,0 +1,78 @@
+"""Serve NemotronLabs VoiceChat over the OpenAI Realtime protocol (and mlx-vlm's), with a web page.
+
+    python -m nvchat_torch.server                      # the embedded tiny model on 127.0.0.1:8000
+    python -m nvchat_torch.server --model weights/NemotronLabs-VoiceChat-11B-4bit --api-key SECRET
+
+Open http://127.0.0.1:8000/ to talk to it, or point an OpenAI Realtime client at ws://HOST:PORT/v1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+from ..stream import DTYPES
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nvchat_torch.server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hub repo id (default: the embedded tiny random model)")
+    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: mps > cuda > cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="model dtype (default: per device, see docs)")
+    p.add_argument("--weights", default="auto", choices=("auto", "packed", "dequantized"),
+                   help="keep quantized weights packed or expand them")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-sessions", type=int, default=4, help="concurrent conversations sharing the model")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/realtime")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_sessions < 1:
+        print(f"error: --max-sessions must be at least 1, got {args.max_sessions}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from .app import WS_MAX_BYTES, create_app
+    except ImportError as e:
+        print(f"error: the server needs its extra ({e.name} is missing): pip install 'nvchat_torch[server]'",
+              file=sys.stderr)
+        return 2
+    import nvchat_torch as nv
+    from ..stream import _load
+
+    if not is_loopback(args.host):
+        print(f"warning: binding {args.host} exposes the server beyond this machine"
+              + ("" if args.api_key else "; anyone who can reach it can use it (set --api-key)"), file=sys.stderr)
+    try:
+        model = _load(args)
+    except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.model or "nvchat-tiny-random"
+    print(f"model: {model.describe()}", file=sys.stderr)
+    app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key)
+    print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
+          f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, ws_max_size=WS_MAX_BYTES, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,682 @@
+"""The realtime server: OpenAI Realtime GA and mlx-vlm's dialect on one ``/v1/realtime`` WebSocket.
+
+One model, up to ``max_sessions`` connections, each with its own ``StreamingSession`` stepped by
+the ``FrameScheduler`` worker. The protocol mapping (which model channel becomes which event, and
+when an utterance starts and ends) is documented in docs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import threading
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from ..audio_io import StreamResampler, pcm16_decode, pcm16_encode
+from ..events import StreamingOptions
+from .scheduler import FrameScheduler, Output
+
+__all__ = ["create_app", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES"]
+
+log = logging.getLogger("nvchat_torch.server")
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger client message is answered with `message_too_large`
+WS_MAX_BYTES = 64 * 1024 * 1024  # the transport's own limit, above ours so that oversize messages get an answer
+INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
+OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, or sent as it is
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+NVCHAT_KEYS = {"deterministic": bool, "seed": int, "max_streaming_seconds": (int, float, type(None)), "stats": bool}
+GA_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+             "response.cancel", "response.create", "conversation.item.create")
+
+
+class ClientError(Exception):
+    """A problem with what the client sent: answered with an ``error`` event, the connection stays."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def _tools_supported() -> bool:
+    return any(f.name == "tools" for f in dataclasses.fields(StreamingOptions))
+
+
+@dataclasses.dataclass
+class SessionConfig:
+    instructions: str | None = None
+    input_rate: int = 24000
+    output_rate: int = 24000
+    deterministic: bool = False
+    seed: int = 0
+    max_streaming_seconds: float | None = None
+    stats: bool = False
+    tools: list = dataclasses.field(default_factory=list)
+    tool_choice: Any = "auto"
+
+
+class RealtimeServer:
+    """What all connections share: the model, its scheduler, the session slots and the API key."""
+
+    def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        self.model = model
+        self.model_name = model_name
+        self.max_sessions = max_sessions
+        self.api_key = api_key
+        self.max_message_bytes = max_message_bytes
+        self.scheduler = FrameScheduler(model)
+        self._lock = threading.Lock()
+        self.active = 0
+
+    def try_reserve(self) -> bool:
+        with self._lock:
+            if self.active >= self.max_sessions:
+                return False
+            self.active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def authorized(self, ws: WebSocket, offered: list[str]) -> bool:
+        if self.api_key is None:
+            return True
+        header = ws.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else None
+        # Browsers cannot set headers on a WebSocket: they pass the key as a subprotocol, as OpenAI's do.
+        for protocol in offered:
+            if protocol.startswith("openai-insecure-api-key."):
+                given = protocol.split(".", 1)[1]
+        return given is not None and secrets.compare_digest(given.encode(), self.api_key.encode())
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_name, "device": str(self.model.device),
+                "dtype": str(self.model.dtype).replace("torch.", ""), "active_sessions": self.active,
+                "max_sessions": self.max_sessions}
+
+
+def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
+               max_message_bytes: int = MAX_MESSAGE_BYTES) -> FastAPI:
+    """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket."""
+    server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
+                            max_message_bytes=max_message_bytes)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.scheduler.stop()
+
+    app = FastAPI(title="nvchat_torch realtime server", lifespan=lifespan)
+    app.state.realtime = server
+
+    @app.get("/health")
+    async def health() -> dict:
+        return server.health()
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html")
+
+    app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        if not server.authorized(ws, offered):
+            body = {"type": "error", "event_id": _id("event"), "error": {
+                "type": "invalid_request_error", "code": "invalid_api_key", "param": None, "event_id": None,
+                "message": "missing or wrong API key: send 'Authorization: Bearer <key>'"}}
+            if "websocket.http.response" in ws.scope.get("extensions", {}):
+                await ws.send_denial_response(JSONResponse(body, status_code=401))
+            else:
+                await ws.close(code=1008)
+            return
+        await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+        if not server.try_reserve():
+            await ws.send_text(json.dumps({"type": "error", "event_id": _id("event"), "error": {
+                "type": "server_error", "code": "server_busy", "param": None, "event_id": None,
+                "message": f"all {server.max_sessions} sessions are in use; try again later"}}))
+            await ws.close(code=1013)
+            return
+        try:
+            await Connection(server, ws).run()
+        finally:
+            server.release()
+
+    return app
+
+
+class Connection:
+    """One WebSocket: reads client events, queues model work, turns the worker's outputs into events."""
+
+    def __init__(self, server: RealtimeServer, ws: WebSocket):
+        self.server, self.ws = server, ws
+        self.scheduler = server.scheduler
+        cfg = server.model.config
+        self.frame_samples = cfg.input_frame_samples
+        self.model_rate, self.output_model_rate = cfg.input_sample_rate, cfg.output_sample_rate
+        self.eos_id = cfg.eos_token_id
+        self.default_instructions = cfg.default_system_prompt
+        self.loop = asyncio.get_running_loop()
+        self.outputs: asyncio.Queue[Output] = asyncio.Queue()
+        self.send_lock = asyncio.Lock()
+        self.session_id = _id("sess")
+        self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
+        self.config = SessionConfig()
+        self.handle: int | None = None
+        self.in_resampler: StreamResampler | None = None
+        self.out_resampler: StreamResampler | None = None
+        self.response: dict | None = None  # the open response (GA)
+        self.user_item: str | None = None  # the user transcript item being filled (GA)
+        self.user_text = ""
+        self.frames = 0
+        self.compute_s: deque[float] = deque(maxlen=25)
+        self.client_event_id: str | None = None
+        self.announce_open = False  # mlx-vlm's session.update is answered once the session is open
+
+    # ---- plumbing
+    async def send(self, payload: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps({"event_id": _id("event"), **payload}))
+
+    async def send_error(self, code: str, message: str, *, param: str | None = None,
+                         kind: str = "invalid_request_error") -> None:
+        await self.send({"type": "error", "error": {"type": kind, "code": code, "message": message,
+                                                    "param": param, "event_id": self.client_event_id}})
+
+    def _deliver(self, out: Output) -> None:  # on the worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, out)
+        except RuntimeError:  # the loop is gone: the connection ended
+            pass
+
+    async def run(self) -> None:
+        await self.send({"type": "session.created", "session": self._ga_session()})
+        reader = asyncio.create_task(self._read())
+        pump = asyncio.create_task(self._pump())
+        try:
+            await asyncio.wait({reader, pump}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, pump):
+                task.cancel()
+            await asyncio.gather(reader, pump, return_exceptions=True)
+            if self.handle is not None:  # a disconnect frees the session at once
+                self.scheduler.close(self.handle)
+
+    async def _read(self) -> None:
+        limit = self.server.max_message_bytes
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            self.client_event_id = None
+            text = message.get("text")
+            try:
+                if text is None:
+                    raise ClientError("invalid_message", "binary messages are not supported: send JSON text")
+                if len(text) > limit or (len(text) * 4 > limit and len(text.encode()) > limit):
+                    raise ClientError("message_too_large", f"message of {len(text.encode())} bytes is over the "
+                                      f"limit of {limit} bytes; send audio in smaller appends")
+                try:
+                    event = json.loads(text)
+                except ValueError as e:
+                    raise ClientError("invalid_json", f"message is not valid JSON: {e}") from None
+                if not isinstance(event, dict):
+                    raise ClientError("invalid_json", "message must be a JSON object with a 'type'")
+                if isinstance(event.get("event_id"), str):
+                    self.client_event_id = event["event_id"]
+                if await self._handle(event):
+                    return
+            except ClientError as e:
+                await self.send_error(e.code, e.message, param=e.param)
+
+    async def _handle(self, event: dict) -> bool:
+        """Handle one client event; True ends the reader."""
+        etype = event.get("type")
+        if etype == "session.update":
+            session = event.get("session")
+            if not isinstance(session, dict):
+                raise ClientError("invalid_value", "session.update needs a 'session' object", "session")
+            mlx_style = "type" not in session and any(k in session for k in ("system_prompt", "seed",
+                                                                              "max_streaming_seconds"))
+            if self.dialect is None:
+                self.dialect = "mlx" if mlx_style else "ga"
+            if self.dialect == "mlx":
+                await self._mlx_update(session)
+            else:
+                await self._ga_update(session)
+        elif etype == "input_audio_buffer.append":
+            self._append(event)
+        elif etype == "input_audio_buffer.commit":
+            await self._commit(event)
+        elif etype == "input_audio_buffer.clear":
+            if self.handle is not None:
+                self.scheduler.drop_audio(self.handle)
+                self.in_resampler = StreamResampler(self.config.input_rate, self.model_rate)
+                self.scheduler.mark(self.handle, "clear")
+            else:
+                await self.send({"type": "input_audio_buffer.cleared"})
+        elif etype in ("response.cancel", "session.cancel"):
+            if self.dialect == "mlx":
+                if self.handle is None:
+                    raise ClientError("invalid_state", "no session to cancel: send session.update first")
+                self.scheduler.cancel(self.handle)
+            elif self.response is not None:
+                await self._close_response("cancelled")
+        elif etype == "response.create":
+            pass  # the model decides itself when to speak: a response opens with its next utterance
+        elif etype == "conversation.item.create":
+            self._item_create(event)
+        elif etype == "session.ping":
+            await self.send({"type": "session.pong"})
+        else:
+            raise ClientError("unknown_event_type", f"unsupported event type {etype!r}; this server takes "
+                              f"{', '.join(GA_EVENTS)}", "type")
+        return False
+
+    # ---- configuration
+    def _ga_session(self) -> dict:
+        cfg = self.config
+        return {"type": "realtime", "object": "realtime.session", "id": self.session_id,
+                "model": self.server.model_name,
+                "instructions": self.default_instructions if cfg.instructions is None else cfg.instructions,
+                "output_modalities": ["audio"],
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": cfg.input_rate},
+                                    "turn_detection": None, "transcription": None},
+                          "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate}}},
+                "tools": cfg.tools, "tool_choice": cfg.tool_choice,
+                "nvchat": {"deterministic": cfg.deterministic, "seed": cfg.seed,
+                           "max_streaming_seconds": cfg.max_streaming_seconds, "stats": cfg.stats,
+                           "frame_samples": self.frame_samples, "max_message_bytes": self.server.max_message_bytes,
+                           "started": self.handle is not None}}
+
+    @staticmethod
+    def _rate(fmt: Any, allowed: tuple[int, ...], param: str) -> int:
+        if not isinstance(fmt, dict) or fmt.get("type", "audio/pcm") != "audio/pcm":
+            raise ClientError("unsupported_audio_format", f"{param} must be {{'type': 'audio/pcm', 'rate': R}} with "
+                              f"R in {list(allowed)}, got {fmt!r}", param)
+        rate = fmt.get("rate", 24000)
+        if isinstance(rate, bool) or rate not in allowed:
+            raise ClientError("unsupported_audio_format", f"{param}.rate {rate!r} is not supported; use one of "
+                              f"{list(allowed)}", f"{param}.rate")
+        return int(rate)
+
+    async def _ga_update(self, session: dict) -> None:
+        cfg = dataclasses.replace(self.config, tools=list(self.config.tools))
+        if session.get("type", "realtime") != "realtime":
+            raise ClientError("invalid_value", f"session.type must be 'realtime', got {session.get('type')!r}",
+                              "session.type")
+        if "instructions" in session:
+            if not isinstance(session["instructions"], (str, type(None))):
+                raise ClientError("invalid_value", "session.instructions must be a string", "session.instructions")
+            cfg.instructions = session["instructions"]
+        audio = session.get("audio") or {}
+        if not isinstance(audio, dict):
+            raise ClientError("invalid_value", "session.audio must be an object", "session.audio")
+        for side, allowed in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
+            part = audio.get(side) or {}
+            if not isinstance(part, dict):
+                raise ClientError("invalid_value", f"session.audio.{side} must be an object", f"session.audio.{side}")
+            if part.get("format") is not None:
+                rate = self._rate(part["format"], allowed, f"session.audio.{side}.format")
+                setattr(cfg, f"{side}_rate", rate)
+        modalities = session.get("output_modalities")
+        if modalities is not None and list(modalities) != ["audio"]:
+            raise ClientError("invalid_value", "output_modalities must be ['audio']: the model always speaks "
+                              "(its text comes as the audio transcript)", "session.output_modalities")
+        extension = session.get("nvchat")
+        if extension is not None:
+            if not isinstance(extension, dict):
+                raise ClientError("invalid_value", "session.nvchat must be an object", "session.nvchat")
+            for key, value in extension.items():
+                kinds = NVCHAT_KEYS.get(key)
+                if kinds is None:
+                    raise ClientError("invalid_value", f"unknown session.nvchat key {key!r}; known: "
+                                      f"{sorted(NVCHAT_KEYS)}", f"session.nvchat.{key}")
+                if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
+                    raise ClientError("invalid_value", f"session.nvchat.{key} has the wrong type: {value!r}",
+                                      f"session.nvchat.{key}")
+                if key == "max_streaming_seconds" and value is not None and not value > 0:
+                    raise ClientError("invalid_value", "session.nvchat.max_streaming_seconds must be positive",
+                                      "session.nvchat.max_streaming_seconds")
+                setattr(cfg, key, value)
+        if "tools" in session:
+            tools = session["tools"] or []
+            if not isinstance(tools, list):
+                raise ClientError("invalid_value", "session.tools must be a list", "session.tools")
+            if tools and not _tools_supported():
+                raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet",
+                                  "session.tools")
+            cfg.tools = tools
+        if "tool_choice" in session:
+            if session["tool_choice"] not in ("auto", None):
+                raise ClientError("invalid_value", "tool_choice must be 'auto': the model decides when to call",
+                                  "session.tool_choice")
+            cfg.tool_choice = "auto"
+        if self.handle is not None:
+            fixed = ("instructions", "input_rate", "deterministic", "seed", "max_streaming_seconds", "tools")
+            changed = [k for k in fixed if getattr(cfg, k) != getattr(self.config, k)]
+            if changed:
+                raise ClientError("session_already_started", f"cannot change {', '.join(changed)} after audio "
+                                  "has started: open a new connection for a new conversation", "session")
+            if cfg.output_rate != self.config.output_rate:
+                self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
+        self.config = cfg
+        await self.send({"type": "session.updated", "session": self._ga_session()})
+
+    async def _mlx_update(self, session: dict) -> None:
+        if self.handle is not None:
+            raise ClientError("invalid_state", "the active session cannot be reconfigured")
+        prompt = session.get("system_prompt")
+        seed = session.get("seed", 0)
+        limit = session.get("max_streaming_seconds")
+        if not isinstance(prompt, (str, type(None))):
+            raise ClientError("invalid_value", "system_prompt must be a string", "session.system_prompt")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ClientError("invalid_value", f"seed must be an int, got {seed!r}", "session.seed")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise ClientError("invalid_value", "max_streaming_seconds must be a positive number",
+                              "session.max_streaming_seconds")
+        self.config = dataclasses.replace(self.config, instructions=prompt, seed=seed, max_streaming_seconds=limit,
+                                          input_rate=self.model_rate, output_rate=self.output_model_rate)
+        self._start(announce=True)
+
+    def _start(self, announce: bool = False) -> None:
+        cfg = self.config
+        kwargs = {"tools": cfg.tools} if cfg.tools else {}
+        options = StreamingOptions(system_prompt=cfg.instructions, seed=cfg.seed, deterministic=cfg.deterministic,
+                                   max_streaming_seconds=cfg.max_streaming_seconds, **kwargs)
+        self.in_resampler = StreamResampler(cfg.input_rate, self.model_rate)
+        self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
+        self.announce_open = announce
+        self.handle = self.scheduler.open(options, self._deliver)
+
+    # ---- audio in
+    def _append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise ClientError("invalid_value", "input_audio_buffer.append needs 'audio': base64 pcm16", "audio")
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise ClientError("invalid_base64", "'audio' is not valid base64", "audio") from None
+        if len(raw) % 2:
+            raise ClientError("invalid_audio_length", f"pcm16 audio needs an even number of bytes, got {len(raw)}",
+                              "audio")
+        if "sample_rate" in event:  # mlx-vlm's field
+            if self.dialect is None:
+                self.dialect = "mlx"
+                self.config = dataclasses.replace(self.config, input_rate=self.model_rate,
+                                                  output_rate=self.output_model_rate)
+            rate = event["sample_rate"]
+            if rate != self.config.input_rate:
+                raise ClientError("unsupported_audio_format", f"sample_rate {rate!r} does not match the session's "
+                                  f"input rate {self.config.input_rate}", "sample_rate")
+        self.dialect = self.dialect or "ga"
+        if self.handle is None:
+            self._start()
+        samples = self.in_resampler(pcm16_decode(raw))
+        self.scheduler.push(self.handle, samples)
+
+    async def _commit(self, event: dict) -> None:
+        if self.handle is None:
+            raise ClientError("input_audio_buffer_commit_empty", "no audio has been appended")
+        if self.dialect == "mlx":
+            pad = event.get("pad_partial", True)
+            await self.send({"type": "input_audio_buffer.committed"})
+            self.scheduler.flush(self.handle, bool(pad))
+            return
+        self.scheduler.push(self.handle, self.in_resampler(np.zeros(0, np.float32), last=True))
+        self.scheduler.pad(self.handle)
+        self.scheduler.mark(self.handle, "commit")
+
+    def _item_create(self, event: dict) -> None:
+        item = event.get("item")
+        if not isinstance(item, dict):
+            raise ClientError("invalid_value", "conversation.item.create needs an 'item' object", "item")
+        if item.get("type") != "function_call_output":
+            raise ClientError("unsupported_item", "only function_call_output items can be created: the model "
+                              "takes the user's turn as audio", "item.type")
+        if self.handle is None:
+            raise ClientError("invalid_state", "no session is running", "item")
+        if not _tools_supported():
+            raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet", "item")
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not isinstance(output, str):
+            raise ClientError("invalid_value", "function_call_output needs string 'call_id' and 'output'", "item")
+        try:
+            value = json.loads(output)
+        except ValueError:
+            value = output
+        self.scheduler.call(self.handle, "send_tool_result", call_id, value)
+
+    # ---- model outputs
+    async def _pump(self) -> None:
+        while True:
+            out = await self.outputs.get()
+            if self.dialect == "mlx":
+                done = await self._mlx_output(out)
+            else:
+                done = await self._ga_output(out)
+            if done:
+                return
+
+    async def _stats(self, out: Output) -> None:
+        self.frames += 1
+        self.compute_s.append(out.compute_s)
+        if self.config.stats and self.frames % 5 == 0:
+            backlog = self.scheduler.backlog_samples(self.handle) / self.model_rate
+            rtf = sum(self.compute_s) / len(self.compute_s) / (self.frame_samples / self.model_rate)
+            await self.send({"type": "nvchat.stats", "frames": self.frames, "realtime_factor": round(rtf, 4),
+                             "backlog_ms": round(backlog * 1000)})
+
+    async def _end(self, code: int) -> bool:
+        try:
+            await self.ws.close(code=code)
+        except Exception:  # the client is already gone
+            pass
+        return True
+
+    async def _ga_output(self, out: Output) -> bool:
+        if out.kind == "opened":
+            return False
+        if out.kind == "rejected":
+            await self.send_error("invalid_tool_result", str(out.error), param="item.call_id")
+            return False
+        if out.kind == "error":
+            log.error("session %s failed", self.session_id, exc_info=out.error)
+            if self.response is not None:
+                await self._close_response("failed")
+            await self.send_error("session_failed", f"the model failed: {out.error!r}; the session is over",
+                                  kind="server_error")
+            return await self._end(1011)
+        if out.kind == "mark":
+            if out.tag == "clear":
+                await self.send({"type": "input_audio_buffer.cleared"})
+            elif out.tag == "commit":
+                item_id = self.user_item or _id("item")
+                await self.send({"type": "input_audio_buffer.committed", "item_id": item_id,
+                                 "previous_item_id": None})
+                await self._complete_user_item()
+                if self.response is None:
+                    await self._open_response()
+                await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
+                await self._close_response("completed")
+            return False
+        for event in out.events:  # "events" and "limit"
+            await self._ga_event(event)
+        if out.ids is not None:
+            await self._stats(out)
+            if out.ids[0] == self.eos_id and self.response is not None and self.response["spoke"]:
+                await self._close_response("completed")
+        if out.kind == "limit":
+            if self.response is not None:
+                await self._close_response("incomplete")
+            await self.send_error("context_limit", str(out.error), kind="invalid_request_error")
+            return await self._end(1000)
+        return False
+
+    async def _ga_event(self, event) -> None:
+        kind = event.kind
+        if kind == "user_transcript_delta":
+            if self.user_item is None:
+                self.user_item, self.user_text = _id("item"), ""
+            self.user_text += event.delta
+            await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": self.user_item,
+                             "content_index": 0, "delta": event.delta})
+            return
+        if kind in ("done", "cancelled"):
+            return
+        if self.response is None:
+            await self._open_response()
+        r = self.response
+        if kind == "assistant_text_delta":
+            if not r["spoke"]:  # the model takes the turn: the user's item is complete
+                r["spoke"] = True
+                await self._complete_user_item()
+            r["transcript"] += event.delta
+            await self.send({"type": "response.output_audio_transcript.delta", "response_id": r["id"],
+                             "item_id": r["item_id"], "output_index": 0, "content_index": 0, "delta": event.delta})
+        elif kind == "audio":
+            await self._send_audio(self.out_resampler(event.samples))
+        elif kind == "tool_call":
+            await self._tool_call(event)
+        elif kind == "tool_call_error":
+            await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: "
+                                  f"{getattr(event, 'error', None) or getattr(event, 'reason', '')} "
+                                  f"(raw: {getattr(event, 'raw', None) or event.text!r})", kind="server_error")
+        # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
+
+    async def _send_audio(self, samples: np.ndarray) -> None:
+        if len(samples) and self.response is not None:
+            r = self.response
+            await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
+                             "output_index": 0, "content_index": 0,
+                             "delta": base64.b64encode(pcm16_encode(samples)).decode("ascii")})
+
+    async def _complete_user_item(self) -> None:
+        if self.user_item is not None:
+            await self.send({"type": "conversation.item.input_audio_transcription.completed",
+                             "item_id": self.user_item, "content_index": 0, "transcript": self.user_text,
+                             "usage": {"type": "duration", "seconds": round(self.frames * 0.08, 2)}})
+            self.user_item, self.user_text = None, ""
+
+    def _response_object(self, r: dict, status: str, output: list) -> dict:
+        body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
+                "conversation_id": self.session_id, "output_modalities": ["audio"],
+                "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.config.output_rate}}}}
+        if status == "cancelled":
+            body["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
+        return body
+
+    async def _open_response(self) -> None:
+        self.response = r = {"id": _id("resp"), "item_id": _id("item"), "transcript": "", "spoke": False,
+                             "calls": []}
+        await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
+        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
+                         "item": {"id": r["item_id"], "object": "realtime.item", "type": "message",
+                                  "role": "assistant", "status": "in_progress", "content": []}})
+        await self.send({"type": "response.content_part.added", "response_id": r["id"], "item_id": r["item_id"],
+                         "output_index": 0, "content_index": 0, "part": {"type": "audio", "transcript": ""}})
+
+    async def _close_response(self, status: str) -> None:
+        r, self.response = self.response, None
+        ids = {"response_id": r["id"], "item_id": r["item_id"], "output_index": 0, "content_index": 0}
+        await self.send({"type": "response.output_audio.done", **ids})
+        await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": r["transcript"]})
+        await self.send({"type": "response.content_part.done", **ids,
+                         "part": {"type": "audio", "transcript": r["transcript"]}})
+        item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": "completed" if status == "completed" else "incomplete",
+                "content": [{"type": "output_audio", "transcript": r["transcript"]}]}
+        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
+                         "item": item})
+        await self.send({"type": "response.done", "response": self._response_object(r, status, [item, *r["calls"]])})
+
+    async def _tool_call(self, event) -> None:
+        r = self.response
+        arguments = json.dumps(event.arguments, ensure_ascii=False)
+        index = 1 + len(r["calls"])
+        item = {"id": _id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
+                "call_id": event.call_id, "name": event.name, "arguments": ""}
+        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
+                         "item": item})
+        ids = {"response_id": r["id"], "item_id": item["id"], "output_index": index, "call_id": event.call_id}
+        await self.send({"type": "response.function_call_arguments.delta", **ids, "delta": arguments})
+        await self.send({"type": "response.function_call_arguments.done", **ids, "name": event.name,
+                         "arguments": arguments})
+        item = {**item, "status": "completed", "arguments": arguments}
+        r["calls"].append(item)
+        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": index,
+                         "item": item})
+
+    async def _mlx_output(self, out: Output) -> bool:
+        if out.kind == "opened":
+            if self.announce_open:
+                await self.send({"type": "session.updated", "session": {
+                    "id": self.session_id, "state": "ready", "model": self.server.model_name,
+                    "frame_samples": self.frame_samples,
+                    "input_audio_format": {"type": "pcm16", "sample_rate": self.model_rate},
+                    "output_audio_format": {"type": "pcm16", "sample_rate": self.output_model_rate}}})
+            return False
+        if out.kind == "mark":
+            if out.tag == "clear":
+                await self.send({"type": "input_audio_buffer.cleared"})
+            return False
+        if out.kind == "rejected":
+            await self.send_error("invalid_tool_result", str(out.error))
+            return False
+        if out.kind == "error":
+            log.error("session %s failed", self.session_id, exc_info=out.error)
+            await self.send_error("inference_error", f"the model failed: {out.error!r}", kind="server_error")
+            return await self._end(1011)
+        for event in out.events:
+            payload = self._mlx_event(event)
+            if payload is not None:
+                await self.send(payload)
+            if event.kind in ("done", "cancelled"):  # as mlx-vlm: the session ends with its stream
+                return await self._end(1000)
+        if out.kind == "limit":
+            await self.send_error("context_limit", str(out.error))
+            return await self._end(1000)
+        return False
+
+    @staticmethod
+    def _mlx_event(event) -> dict | None:
+        head = {"frame_index": event.frame_index}
+        if event.kind in ("assistant_text_delta", "function_delta"):
+            name = "response.text.delta" if event.kind == "assistant_text_delta" else "response.function.delta"
+            return {"type": name, **head, "token_id": event.token_id, "delta": event.delta, "text": event.text}
+        if event.kind == "user_transcript_delta":
+            return {"type": "conversation.item.input_audio_transcription.delta", **head, "delta": event.delta,
+                    "transcript": event.text}
+        if event.kind == "audio":
+            return {"type": "response.audio.delta", **head,
+                    "delta": base64.b64encode(pcm16_encode(event.samples)).decode("ascii"), "format": "pcm16",
+                    "sample_rate": event.sample_rate, "channels": 1, "audio_codes": event.audio_codes.tolist()}
+        if event.kind == "done":
+            return {"type": "response.done", **head}
+        if event.kind == "cancelled":
+            return {"type": "response.cancelled", **head}
+        return None  # kinds mlx-vlm does not have (tool calls): its clients read the raw function channel

@@ -1,0 +1,415 @@
+"""The realtime server on loopback, driven by the official ``openai`` SDK and by raw WebSockets
+speaking mlx-vlm's dialect; what clients receive is checked against ``StreamingSession``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import uvicorn
+import websockets
+from openai import AsyncOpenAI
+
+import nvchat_torch as nv
+from nvchat_torch.audio_io import StreamResampler, pcm16_decode, pcm16_encode, resample
+from nvchat_torch.server.app import MAX_MESSAGE_BYTES, WS_MAX_BYTES, create_app
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "question.wav"
+TIMEOUT = 120  # seconds any one exchange may take; every wait below is bounded by it
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nv.load_tiny_model(device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def question() -> np.ndarray:
+    pcm, sr = sf.read(EXAMPLE, dtype="int16")
+    assert sr == 16000
+    return pcm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model, **kwargs):
+    """The app on uvicorn in a thread, on a free loopback port; yields ``(address, app)``."""
+    app = create_app(model, **kwargs)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws_max_size=WS_MAX_BYTES,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def b64(pcm: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
+
+
+def reference(model, pcm: np.ndarray, **options):
+    """What StreamingSession emits for the pcm16 audio (all of it, the partial frame zero-padded)."""
+    session = model.create_streaming_session(nv.StreamingOptions(**options))
+    events = session.push_audio(pcm.astype(np.float32) / 32768.0, 16000) + session.flush(pad_partial=True)
+    audio = np.concatenate([e.samples for e in events if e.kind == "audio"])
+    return session, events, audio
+
+
+def deltas(events, kind: str = "assistant_text_delta") -> str:
+    """The deltas joined (the cumulative text can differ where a token completes a multi-byte character)."""
+    return "".join(e.delta for e in events if e.kind == kind)
+
+
+GA_16K_22K = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                                            "output": {"format": {"type": "audio/pcm", "rate": 22050}}}}
+
+
+async def sdk_conversation(address: str, pcm: np.ndarray, session: dict, chunk: int = 3200) -> dict:
+    """Stream ``pcm`` with the openai SDK, commit, and collect everything up to the commit's response.done."""
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://{address}/v1")
+    got = {"text": "", "audio": b"", "transcript": "", "completed": [], "types": [], "responses": []}
+    async with client.realtime.connect(model="nvchat") as conn:
+        await conn.session.update(session=session)
+        for i in range(0, len(pcm), chunk):
+            await conn.input_audio_buffer.append(audio=b64(pcm[i:i + chunk]))
+        await conn.input_audio_buffer.commit()
+        committed = False
+        while True:
+            event = await asyncio.wait_for(conn.recv(), TIMEOUT)
+            got["types"].append(event.type)
+            if event.type == "error":
+                raise AssertionError(f"server error: {event.error}")
+            if event.type == "session.updated":
+                got["session"] = event.session
+            elif event.type == "response.output_audio_transcript.delta":
+                got["text"] += event.delta
+            elif event.type == "response.output_audio.delta":
+                got["audio"] += base64.b64decode(event.delta)
+            elif event.type == "conversation.item.input_audio_transcription.delta":
+                got["transcript"] += event.delta
+            elif event.type == "conversation.item.input_audio_transcription.completed":
+                got["completed"].append(event.transcript)
+            elif event.type == "input_audio_buffer.committed":
+                committed = True
+            elif event.type == "response.done":
+                got["responses"].append(event.response)
+                if committed:
+                    return got
+
+
+def test_openai_sdk_gets_what_the_session_emits(model, question):
+    """Deterministic, 16 kHz in and 22.05 kHz out: text, transcript and audio equal StreamingSession's."""
+    prompt = "you are a helpful assistant"
+    session = {**GA_16K_22K, "instructions": prompt, "nvchat": {"deterministic": True, "seed": 0}}
+    with serve(model) as (address, _):
+        got = asyncio.run(sdk_conversation(address, question, session))
+    ref, events, audio = reference(model, question, system_prompt=prompt, deterministic=True, seed=0)
+    assert got["session"].audio.input.format.rate == 16000 and got["session"].audio.output.format.rate == 22050
+    assert got["text"] == deltas(events) and ref.text
+    assert got["transcript"] == deltas(events, "user_transcript_delta") and ref.user_transcript
+    assert "".join(got["completed"]) == got["transcript"]
+    assert len(got["audio"]) == 2 * len(audio) == 2 * ref.frame_index * 1764
+    assert got["audio"] == pcm16_encode(audio)  # pcm16 = round(clip(x, -1, 1) * 32767) of the same samples
+    # each response's transcript is the text between its utterance's start and its end
+    assert "".join(r.output[0].content[0].transcript for r in got["responses"]) == got["text"]
+    assert all(r.status == "completed" for r in got["responses"])
+    order = got["types"]
+    for name in ("response.created", "response.output_item.added", "response.content_part.added"):
+        assert order.index(name) < order.index("response.output_audio.delta")
+    for name in ("response.output_audio.done", "response.output_audio_transcript.done",
+                 "response.content_part.done", "response.output_item.done"):
+        assert order.index(name) < order.index("response.done")
+
+
+def test_default_format_is_24k_both_ways_through_soxr(model, question):
+    """GA defaults: 24 kHz pcm16 in (resampled to 16 kHz) and out (22.05 kHz resampled to 24 kHz)."""
+    wave16 = question.astype(np.float32) / 32768.0
+    pcm24 = np.frombuffer(pcm16_encode(resample(wave16, 16000, 24000)), dtype="<i2")
+    session = {"type": "realtime", "nvchat": {"deterministic": True}}
+    with serve(model) as (address, _):
+        got = asyncio.run(sdk_conversation(address, pcm24, session, chunk=1920))
+    assert got["session"].audio.input.format.rate == 24000 and got["session"].audio.output.format.rate == 24000
+    # the server's input is the 24 kHz audio resampled back to 16 kHz, as one soxr stream
+    wave = StreamResampler(24000, 16000)(pcm16_decode(pcm24.tobytes()), last=True)
+    ref, _, audio = reference(model, np.round(wave * 32768).clip(-32768, 32767).astype(np.int16), deterministic=True)
+    received = pcm16_decode(got["audio"])
+    expected = StreamResampler(22050, 24000)(audio, last=True)
+    assert abs(len(received) - len(audio) * 24000 / 22050) <= 1 and len(received) == len(expected)
+    assert got["transcript"] and got["text"]
+
+
+async def mlx_conversation(address: str, pcm: np.ndarray, config: dict) -> tuple[list[dict], int]:
+    """mlx-vlm's microphone client's sequence: session.update, appends with sample_rate, commit."""
+    async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
+        created = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+        assert created["type"] == "session.created"
+        await ws.send(json.dumps({"type": "session.update", "session": config}))
+        updated = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))  # the very next message
+        assert updated["type"] == "session.updated", updated
+        session = updated["session"]
+        assert session["input_audio_format"]["sample_rate"] == 16000
+        assert session["output_audio_format"]["sample_rate"] == 22050 and session["frame_samples"] == 1280
+        for i in range(0, len(pcm), 1280):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + 1280]),
+                                      "sample_rate": 16000}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.commit", "pad_partial": True}))
+        events = []
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:  # the server ends the session after response.done, as mlx-vlm's does
+                events.append(json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT)))
+        return events, closed.value.rcvd.code
+
+
+def test_mlx_vlm_dialect(model, question):
+    config = {"model": "mlx-community/NemotronLabs-VoiceChat-11B-4bit", "system_prompt": "be brief", "seed": 3}
+    with serve(model) as (address, _):
+        events, code = asyncio.run(mlx_conversation(address, question, config))
+    ref, ref_events, audio = reference(model, question, system_prompt="be brief", seed=3)
+    assert code == 1000
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "input_audio_buffer.committed" or "input_audio_buffer.committed" in kinds
+    assert kinds[-1] == "response.done" and kinds.count("response.done") == 1
+    text = [e for e in events if e["type"] == "response.text.delta"]
+    assert "".join(e["delta"] for e in text) == deltas(ref_events) and text[-1]["text"] == ref.text
+    assert [e["token_id"] for e in text] == [e.token_id for e in ref_events if e.kind == "assistant_text_delta"]
+    function = [e for e in events if e["type"] == "response.function.delta"]
+    assert "".join(e["delta"] for e in function) == deltas(ref_events, "function_delta")
+    user = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert user and user[-1]["transcript"] == ref.user_transcript
+    chunks = [e for e in events if e["type"] == "response.audio.delta"]
+    assert [c["frame_index"] for c in chunks] == list(range(ref.frame_index))
+    assert all(c["sample_rate"] == 22050 and c["format"] == "pcm16" and c["channels"] == 1 for c in chunks)
+    assert b"".join(base64.b64decode(c["delta"]) for c in chunks) == pcm16_encode(audio)
+    codes = np.array([c["audio_codes"] for c in chunks])
+    assert np.array_equal(codes, np.stack([e.audio_codes for e in ref_events if e.kind == "audio"]))
+
+
+async def expect_error(ws, code: str) -> dict:
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+        if event["type"] == "error":
+            assert event["error"]["code"] == code, event
+            assert event["error"]["message"] and "event_id" in event and "type" in event["error"]
+            return event
+
+
+def test_bad_input_gets_an_error_and_the_connection_survives(model, question):
+    async def run(address):
+        async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
+            await ws.recv()  # session.created
+            cases = [
+                ("{not json", "invalid_json"),
+                (json.dumps([1, 2]), "invalid_json"),
+                (json.dumps({"type": "conversation.item.delete", "event_id": "client_7"}), "unknown_event_type"),
+                (json.dumps({"type": "input_audio_buffer.append", "audio": "***"}), "invalid_base64"),
+                (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
+                 "invalid_audio_length"),
+                (json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
+                    "input": {"format": {"type": "audio/pcm", "rate": 44100}}}}}), "unsupported_audio_format"),
+                (json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
+                    "output": {"format": {"type": "audio/pcmu"}}}}}), "unsupported_audio_format"),
+                (json.dumps({"type": "input_audio_buffer.append",
+                             "audio": "A" * (MAX_MESSAGE_BYTES + 4)}), "message_too_large"),
+                (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_empty"),
+                (json.dumps({"type": "session.update", "session": {"type": "realtime", "nvchat": {"seed": "x"}}}),
+                 "invalid_value"),
+            ]
+            for message, code in cases:
+                await ws.send(message)
+                event = await expect_error(ws, code)
+                if code == "unknown_event_type":
+                    assert event["error"]["event_id"] == "client_7"
+            # still usable: a real exchange after all of that
+            await ws.send(json.dumps({"type": "session.update", "session": {**GA_16K_22K}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(question[:6400])}))
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                           "instructions": "changed"}}))
+            await expect_error(ws, "session_already_started")
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            kinds = []
+            while "response.done" not in kinds:
+                kinds.append(json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))["type"])
+            assert kinds.count("response.output_audio.delta") == 5 and "error" not in kinds
+
+    with serve(model) as (address, _):
+        asyncio.run(run(address))
+
+
+class _FailingModel:
+    """The model, but sessions with seed 13 raise on their first frame."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def create_streaming_session(self, options):
+        session = self._model.create_streaming_session(options)
+        if options.seed == 13:
+            def boom(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            session.push_audio = boom
+        return session
+
+
+def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, question):
+    other = question[::-1].copy()
+
+    async def run(address):
+        failing = {**GA_16K_22K, "nvchat": {"seed": 13}}
+
+        async def doomed():
+            async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "session.update", "session": failing}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(question[:2560])}))
+                await expect_error(ws, "session_failed")
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    while True:
+                        await asyncio.wait_for(ws.recv(), TIMEOUT)
+                return closed.value.rcvd.code
+
+        sessions = [{**GA_16K_22K, "nvchat": {"deterministic": True, "seed": s}} for s in (0, 1)]
+        a, b = await asyncio.gather(sdk_conversation(address, question, sessions[0]),
+                                    sdk_conversation(address, other, sessions[1]))
+        await wait_idle(address)
+        # while two run, a third is turned away
+        async with websockets.connect(f"ws://{address}/v1/realtime") as one, \
+                websockets.connect(f"ws://{address}/v1/realtime") as two:
+            await one.recv(), await two.recv()
+            async with websockets.connect(f"ws://{address}/v1/realtime") as third:
+                await expect_error(third, "server_busy")
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(third.recv(), TIMEOUT)
+                assert closed.value.rcvd.code == 1013
+        await wait_idle(address)
+        # a failing session next to a healthy one: only it ends
+        code, c = await asyncio.gather(doomed(), sdk_conversation(address, question, sessions[0]))
+        return a, b, c, code
+
+    with serve(_FailingModel(model), max_sessions=2) as (address, _):
+        a, b, c, code = asyncio.run(run(address))
+    assert code == 1011
+    for got, pcm in ((a, question), (b, other), (c, question)):
+        _, events, audio = reference(model, pcm, deterministic=True, seed=0 if got is not b else 1)
+        assert got["text"] == deltas(events) and got["audio"] == pcm16_encode(audio)
+
+
+def get_json(url: str, headers: dict | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def wait_idle(address: str, headers: dict | None = None) -> None:
+    """Until the server has released every session (a client's close reaches it a moment later)."""
+    deadline = time.monotonic() + 30
+    while get_json(f"http://{address}/health", headers)["active_sessions"]:
+        assert time.monotonic() < deadline, "the sessions were not freed"
+        await asyncio.sleep(0.05)
+
+
+def test_api_key_health_and_disconnect_frees_the_session(model, question):
+    async def run(address):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(f"ws://{address}/v1/realtime"):
+                pass
+        assert refused.value.response.status_code == 401
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(f"ws://{address}/v1/realtime",
+                                          additional_headers={"Authorization": "Bearer wrong"}):
+                pass
+        bad = AsyncOpenAI(api_key="wrong", websocket_base_url=f"ws://{address}/v1")
+        with pytest.raises(Exception):
+            async with bad.realtime.connect(model="nvchat"):
+                pass
+        client = AsyncOpenAI(api_key="s3cret", websocket_base_url=f"ws://{address}/v1")
+        async with client.realtime.connect(model="nvchat") as conn:
+            assert (await asyncio.wait_for(conn.recv(), TIMEOUT)).type == "session.created"
+            assert get_json(f"http://{address}/health")["active_sessions"] == 1
+            await conn.input_audio_buffer.append(audio=b64(question))  # then hang up mid-stream
+        await wait_idle(address)
+
+    with serve(model, api_key="s3cret", max_sessions=3, model_name="tiny") as (address, app):
+        health = get_json(f"http://{address}/health")
+        assert health == {"status": "ok", "model": "tiny", "device": "cpu", "dtype": "float32",
+                          "active_sessions": 0, "max_sessions": 3}
+        asyncio.run(run(address))
+        assert app.state.realtime.scheduler.active == 0
+
+
+def test_command_line_server_and_client(tmp_path):
+    """``python -m nvchat_torch.server`` (the embedded model) and ``python -m nvchat_torch.client``."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "nvchat_torch.server", "--port", str(port), "--device", "cpu",
+                               "--log-level", "warning"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                health = get_json(f"http://127.0.0.1:{port}/health")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        assert health["model"] == "nvchat-tiny-random" and health["max_sessions"] == 4
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+        assert "getUserMedia" in urllib.request.urlopen(f"http://127.0.0.1:{port}/web/app.js", timeout=10).read().decode()
+        assert "/web/app.js" in page
+        out = tmp_path / "answer.wav"
+        client = subprocess.run([sys.executable, "-m", "nvchat_torch.client", "--url",
+                                 f"ws://127.0.0.1:{port}/v1/realtime", "--audio", str(EXAMPLE), "--output", str(out),
+                                 "--tail-seconds", "1", "--timeout", "120"],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert client.returncode == 0, client.stderr
+        assert "[user]" in client.stdout and "[response completed]" in client.stdout
+        data, sr = sf.read(out)
+        frames = -(-(len(sf.read(EXAMPLE)[0]) + 16000) // 1280)
+        assert sr == 24000 and abs(len(data) - frames * 1764 * 24000 / 22050) <= 1
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=30)
+    assert "random weights" in err
+
+
+def test_non_loopback_host_warns(monkeypatch, capsys):
+    import nvchat_torch.server.__main__ as cli
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu"]) == 0
+    assert calls and calls[0]["host"] == "0.0.0.0"
+    err = capsys.readouterr().err
+    assert "warning: binding 0.0.0.0" in err and "--api-key" in err
+    assert cli.main(["--port", "9", "--device", "cpu", "--max-sessions", "0"]) == 2
+    assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and not cli.is_loopback("192.168.1.4")
