@@ -1,0 +1,105 @@
+"""The web page in a real headless Chromium whose fake microphone plays examples/question.wav.
+
+Chromium is driven over the DevTools protocol (a WebSocket, no playwright): the test polls the
+page's DOM until it shows a connection, audio deltas and a user transcript, or a deadline passes.
+Set NVCHAT_SCREENSHOT=path to save a screenshot of the page (docs/server.png is made this way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import torch
+import websockets
+
+import nvchat_torch as nv
+from test_server import EXAMPLE, serve
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nv.load_tiny_model(device="cpu", dtype=torch.float32)
+
+
+class DevTools:
+    def __init__(self, ws):
+        self.ws, self.ids = ws, itertools.count(1)
+
+    async def call(self, method: str, **params) -> dict:
+        n = next(self.ids)
+        await self.ws.send(json.dumps({"id": n, "method": method, "params": params}))
+        while True:
+            reply = json.loads(await asyncio.wait_for(self.ws.recv(), 30))
+            if reply.get("id") == n:
+                assert "error" not in reply, reply
+                return reply["result"]
+
+    async def evaluate(self, expression: str):
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+
+def test_page_talks_to_the_server_in_chromium(model, tmp_path):
+    assert CHROMIUM, "Chromium is needed (.ci/run installs Debian's chromium package)"
+    with serve(model) as (address, _):
+        profile = tmp_path / "profile"
+        browser = subprocess.Popen([
+            CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1000,860",
+            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={EXAMPLE}", "--autoplay-policy=no-user-gesture-required",
+            f"http://{address}/?autostart=1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            state = asyncio.run(drive(profile, address))
+        finally:
+            browser.terminate()
+            browser.wait(timeout=30)
+    assert state["status"] in ("connected", "streaming"), state
+    assert state["deltas"] > 0 and state["user"], state
+    assert state["rtf"] != "-", state  # the live real-time-factor readout is filled
+
+
+async def drive(profile, address) -> dict:
+    deadline = time.monotonic() + 60
+    port_file = profile / "DevToolsActivePort"
+    while not port_file.exists():
+        assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
+        await asyncio.sleep(0.1)
+    port = port_file.read_text().split()[0]
+    while True:
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10).read())
+        pages = [t for t in targets if t["type"] == "page" and address in t["url"]]
+        if pages:
+            break
+        assert time.monotonic() < deadline, f"the page did not open: {targets}"
+        await asyncio.sleep(0.1)
+    async with websockets.connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
+        tools = DevTools(ws)
+        probe = ("({status: document.body.dataset.status || '', deltas: +document.getElementById('audio-deltas')"
+                 ".textContent, user: document.getElementById('user').textContent, rtf: document.getElementById"
+                 "('rtf').textContent, errors: document.getElementById('errors').textContent})")
+        deadline = time.monotonic() + 90
+        while True:
+            state = await tools.evaluate(probe)
+            if state and state["deltas"] > 25 and state["user"] and state["rtf"] != "-":
+                break
+            if time.monotonic() > deadline or (state and state["status"].startswith(("closed", "failed"))):
+                break
+            await asyncio.sleep(0.25)
+        if os.environ.get("NVCHAT_SCREENSHOT"):
+            shot = await tools.call("Page.captureScreenshot", format="png")
+            with open(os.environ["NVCHAT_SCREENSHOT"], "wb") as f:
+                f.write(base64.b64decode(shot["data"]))
+        await tools.evaluate("document.getElementById('stop').click()")
+        return state
