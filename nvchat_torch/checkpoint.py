@@ -219,16 +219,17 @@ class Checkpoint:
 
     def iter_tensors(
         self,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = torch.bfloat16,
         device: torch.device | str = "cpu",
         keep_packed: Callable[[str], bool] | bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(checkpoint key, tensor)`` one at a time.
 
-        Floating tensors are cast to ``dtype`` (``A_log`` stays float32, as in the reference);
-        integer buffers keep their dtype. A quantized module yields one dequantized
-        ``<path>.weight``, or, where ``keep_packed(path)`` is true, its raw ``weight``/``scales``/
-        ``biases`` as stored.
+        Floating tensors are cast to ``dtype`` (``A_log`` stays float32, as in the reference), or keep
+        their stored dtype with ``dtype=None``; integer buffers keep their dtype. A quantized module
+        yields one dequantized ``<path>.weight`` (``dtype=None``: in its scales' dtype, as MLX
+        dequantizes), or, where ``keep_packed(path)`` is true, its raw ``weight``/``scales``/``biases``
+        as stored.
         """
         quantized = self.quantized_modules()
         packed_keys = {f"{p}.{n}" for p in quantized for n in ("weight", "scales", "biases")}
@@ -242,7 +243,8 @@ class Checkpoint:
                     if raw.biases is not None:
                         yield f"{path}.biases", raw.biases.to(device)
                 else:
-                    yield f"{path}.weight", dequantize(raw.weight, raw.scales, raw.biases, spec).to(device, dtype)
+                    w = dequantize(raw.weight, raw.scales, raw.biases, spec)
+                    yield f"{path}.weight", w.to(device, w.dtype if dtype is None else dtype)
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(path + '.weight')}: '{path}': {e}") from None
             del raw
@@ -250,7 +252,9 @@ class Checkpoint:
             if key in packed_keys:
                 continue
             t = self.get(key)
-            if t.is_floating_point():
+            if t.is_floating_point() and dtype is None:
+                t = t.to(device)
+            elif t.is_floating_point():
                 keep32 = any(key.endswith(n) for n in KEEP_FLOAT32)
                 t = t.to(device, torch.float32 if keep32 and t.dtype == torch.float32 else dtype)
             else:

@@ -25,11 +25,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CodecConfig
+from .layers import REDUCED, Conv1d, gelu_erf, linear, mean_last, scalar, softplus, var_last
 
 __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer"]
 
 MAX_MAGNITUDE = 100.0  # the spectral head's magnitude ceiling: |X| = 100 * sigmoid(logit - ln 100)
 ENVELOPE_FLOOR = 1e-10  # guard of the window-square overlap-add normalisation
+
+
+class ChannelLayerNorm(nn.LayerNorm):
+    """LayerNorm over the last axis (biased variance). In bf16 the reference's own formula, each op
+    rounded: ``(x - mean) * rsqrt(var + eps) * weight + bias``; in float32 torch's fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in REDUCED:
+            return super().forward(x)
+        mean = mean_last(x)
+        normalized = (x - mean) * torch.rsqrt(var_last(x, mean) + scalar(self.eps, x.dtype))
+        return normalized * self.weight + self.bias
 
 
 class ConvNeXtBlock(nn.Module):
@@ -44,8 +57,8 @@ class ConvNeXtBlock(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         self.context = kernel_size - 1
-        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
-        self.norm = nn.LayerNorm(channels, eps=1e-6)
+        self.dwconv = Conv1d(channels, channels, kernel_size, groups=channels)
+        self.norm = ChannelLayerNorm(channels, eps=1e-6)
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
@@ -57,8 +70,8 @@ class ConvNeXtBlock(nn.Module):
             padded = torch.cat([state, x], dim=-1)
             state.copy_(padded[..., -self.context:])
         h = self.norm(self.dwconv(padded).transpose(1, 2))
-        h = F.gelu(F.linear(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
-        h = F.linear(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
+        h = gelu_erf(linear(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
+        h = linear(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
         return x + h.transpose(1, 2)
 
 
@@ -107,7 +120,7 @@ class AudioDecoder(nn.Module):
         for width_in, width, rate in zip(widths_in, channels, config.downsample_rates[::-1]):
             layers.append(nn.ConvTranspose1d(width_in, width, rate, stride=rate, bias=False))
             layers += [ConvNeXtBlock(width, config.block_kernel_size) for _ in range(config.blocks_per_stage)]
-        layers.append(nn.Conv1d(channels[-1], config.stft_channels, 1, bias=False))
+        layers.append(Conv1d(channels[-1], config.stft_channels, 1, bias=False))
         self.layers = nn.ModuleList(layers)
 
     @property
@@ -174,6 +187,11 @@ class ResidualVectorQuantizer(nn.Module):
             rows = self.codebooks.flatten(0, 1)[codes + self.code_offsets[:n_codes]]
         else:
             rows = torch.stack([self.mus_list[q][codes[:, q]] for q in range(n_codes)], dim=1)
+        if rows.dtype in REDUCED:  # the reference adds the rows one at a time, each sum rounded
+            total = rows[:, 0]
+            for q in range(1, n_codes):
+                total = total + rows[:, q]
+            return total
         return rows.sum(1)  # [B, Q', T, D] -> [B, T, D]: one reduction, so fused and unfused agree bit for bit
 
     def encode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -181,10 +199,11 @@ class ResidualVectorQuantizer(nn.Module):
         quantizer in turn, in float32 (distance ``|r|^2 - 2 r.e + |e|^2``, as the reference)."""
         residual = latents.float()
         codes = []
-        for means in self.mus_list:
-            means = means.float()
-            distances = ((residual * residual).sum(-1, keepdim=True) - 2.0 * (residual @ means.T)
-                         + (means * means).sum(-1))
+        for stored in self.mus_list:
+            means = stored.float()
+            # |e|^2 in the codebook's dtype (bf16: rounded products, float32 sum, one rounding), as the reference.
+            sq_norms = (stored * stored).sum(-1, dtype=torch.float32).to(stored.dtype).float()
+            distances = ((residual * residual).sum(-1, keepdim=True) - 2.0 * (residual @ means.T) + sq_norms)
             index = distances.argmin(-1)
             codes.append(index)
             residual = residual - means[index]
@@ -295,10 +314,16 @@ class Codec(nn.Module):
     def _spectrum(self, features: torch.Tensor) -> torch.Tensor:
         """``[B, 2 * bins, N]`` decoder features (magnitude logits, phases) -> float32 ``[re; im]``.
 
-        Computed in the decoder dtype, as the reference, then float32 for the iSTFT.
+        Computed in the decoder dtype, as the reference, then float32 for the iSTFT. The reference writes
+        the magnitude as ``100 exp(-softplus(ln 100 - logit))``: in bf16 that exact formula, op by op; in
+        float32 the equal ``100 sigmoid(logit - ln 100)``, in fewer kernels.
         """
         logits, phase = features.split(self.bins, dim=1)
-        magnitude = MAX_MAGNITUDE * torch.sigmoid(logits - math.log(MAX_MAGNITUDE))
+        if features.dtype in REDUCED:
+            dt = features.dtype
+            magnitude = scalar(MAX_MAGNITUDE, dt) * torch.exp(-softplus(-logits + scalar(math.log(MAX_MAGNITUDE), dt)))
+        else:
+            magnitude = MAX_MAGNITUDE * torch.sigmoid(logits - math.log(MAX_MAGNITUDE))
         return torch.cat([magnitude * phase.cos(), magnitude * phase.sin()], dim=1).float()
 
     def istft(self, spectrum: torch.Tensor, envelope: torch.Tensor | None = None) -> torch.Tensor:

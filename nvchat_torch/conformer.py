@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioConfig, ConformerConfig
+from .layers import Conv1d, Conv2d, LayerNorm, Linear, promoted
+from .layers import linear as promoted_linear
 from .mel import LogMel
 from .quant import concat_linears
 
@@ -48,16 +50,17 @@ def add_linear(x: torch.Tensor, linear: nn.Module, h: torch.Tensor, alpha: float
     ``weight`` [out, in]) on one position, as the streaming step has."""
     w = linear.weight if weight is None and isinstance(linear, nn.Linear) else weight
     if w is not None and linear.bias is None and x.shape[:-1].numel() == 1:
-        return torch.addmm(x.view(1, -1), h.reshape(1, -1), w.t(), alpha=alpha).view_as(x)
-    y = linear(h) if weight is None else F.linear(h, weight, linear.bias)
+        dtype = promoted(x, h, w)
+        return torch.addmm(x.view(1, -1), h.reshape(1, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
+    y = linear(h) if weight is None else promoted_linear(h, weight, linear.bias)
     return torch.add(x, y, alpha=alpha)
 
 
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, bias: bool):
         super().__init__()
-        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.linear1 = Linear(d_model, d_ff, bias=bias)
+        self.linear2 = Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear2(F.silu(self.linear1(x)))
@@ -80,30 +83,31 @@ class RelPositionAttention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.scale = self.head_dim ** -0.5
-        self.linear_q = nn.Linear(d_model, d_model, bias=bias)
-        self.linear_k = nn.Linear(d_model, d_model, bias=bias)
-        self.linear_v = nn.Linear(d_model, d_model, bias=bias)
-        self.linear_out = nn.Linear(d_model, d_model, bias=bias)
-        self.linear_pos = nn.Linear(d_model, d_model, bias=False)
+        self.linear_q = Linear(d_model, d_model, bias=bias)
+        self.linear_k = Linear(d_model, d_model, bias=bias)
+        self.linear_v = Linear(d_model, d_model, bias=bias)
+        self.linear_out = Linear(d_model, d_model, bias=bias)
+        self.linear_pos = Linear(d_model, d_model, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.head_dim))
         self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.head_dim))
         # Set by fuse(stream_pos): linear_pos of the streaming distance table per head, twice over
         # ([heads, head_dim, 2W]), so the frame's rotation of it is a slice, not a roll + projection.
         self.register_buffer("pos_table", None, persistent=False)
 
-    def fuse(self, stream_pos: torch.Tensor | None = None) -> None:
+    def fuse(self, stream_pos: torch.Tensor) -> None:
         """One matmul for q + u, q + v, k and v: linear_q appears twice in the fused weight and the
-        position biases u, v join its bias, so the per-step bias additions disappear too. With
-        ``stream_pos`` (the encoder's streaming distance table) also precompute ``pos_table``."""
-        if stream_pos is not None:
-            projected = self.linear_pos(stream_pos.to(self.linear_pos.weight.dtype))  # [W, d]
-            table = projected.view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
-            self.pos_table = torch.cat([table, table], dim=-1).detach().contiguous()
+        position biases u, v join its bias, so the per-step bias additions disappear too. Also
+        precompute ``pos_table`` from ``stream_pos`` (the encoder's streaming distance table, in the
+        activation dtype, which the table and the fused bias take: q + u is computed there)."""
+        projected = self.linear_pos(stream_pos)  # [W, d]
+        table = projected.view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
+        self.pos_table = torch.cat([table, table], dim=-1).detach().contiguous()
         if hasattr(self, "linear_quvkv"):
             return
         fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
-        bias = torch.zeros_like(fused.weight[:, 0]) if fused.bias is None else fused.bias.data
-        bias[: 2 * self.d_model] += torch.cat([self.pos_bias_u.flatten(), self.pos_bias_v.flatten()]).to(bias.dtype)
+        dtype = promoted(stream_pos, fused.weight)
+        bias = fused.weight.new_zeros(fused.weight.shape[0], dtype=dtype) if fused.bias is None else fused.bias.data.to(dtype)
+        bias[: 2 * self.d_model] += torch.cat([self.pos_bias_u.flatten(), self.pos_bias_v.flatten()]).to(dtype)
         fused.bias = nn.Parameter(bias)
         self.linear_quvkv = fused
         del self.linear_q, self.linear_k, self.linear_v, self.pos_bias_u, self.pos_bias_v
@@ -151,7 +155,7 @@ class RelPositionAttention(nn.Module):
         else:
             # (q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s: project the query, not the window.
             w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
-            bias = torch.bmm(q_v, w_pos) @ pos.T  # [H, 1, length]
+            bias = torch.bmm(q_v, w_pos.to(q_v.dtype)) @ pos.T  # [H, 1, length]
         out = F.scaled_dot_product_attention(q_u.view(self.n_heads, 1, self.head_dim), kv[0, :, :length],
                                              kv[1, :, :length], attn_mask=bias, scale=self.scale)
         return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
@@ -163,16 +167,16 @@ class ConvModule(nn.Module):
     def __init__(self, d_model: int, kernel_size: int, bias: bool):
         super().__init__()
         self.kernel_size = kernel_size
-        self.pointwise_conv1 = nn.Conv1d(d_model, 2 * d_model, 1, bias=bias)
-        self.depthwise_conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, bias=bias)
-        self.batch_norm = nn.LayerNorm(d_model)
-        self.pointwise_conv2 = nn.Conv1d(d_model, d_model, 1, bias=bias)
+        self.pointwise_conv1 = Conv1d(d_model, 2 * d_model, 1, bias=bias)
+        self.depthwise_conv = Conv1d(d_model, d_model, kernel_size, groups=d_model, bias=bias)
+        self.batch_norm = LayerNorm(d_model)
+        self.pointwise_conv2 = Conv1d(d_model, d_model, 1, bias=bias)
 
     def _glu(self, x: torch.Tensor) -> torch.Tensor:
-        return F.glu(F.linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias), dim=-1)
+        return F.glu(promoted_linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias), dim=-1)
 
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(self.batch_norm(x)), self.pointwise_conv2.weight[..., 0], self.pointwise_conv2.bias)
+        return promoted_linear(F.silu(self.batch_norm(x)), self.pointwise_conv2.weight[..., 0], self.pointwise_conv2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
@@ -194,15 +198,15 @@ class ConformerLayer(nn.Module):
     def __init__(self, config: ConformerConfig):
         super().__init__()
         d, bias = config.d_model, config.use_bias
-        self.norm_feed_forward1 = nn.LayerNorm(d)
+        self.norm_feed_forward1 = LayerNorm(d)
         self.feed_forward1 = FeedForward(d, d * config.ff_expansion_factor, bias)
-        self.norm_self_att = nn.LayerNorm(d)
+        self.norm_self_att = LayerNorm(d)
         self.self_attn = RelPositionAttention(d, config.n_heads, bias)
-        self.norm_conv = nn.LayerNorm(d)
+        self.norm_conv = LayerNorm(d)
         self.conv = ConvModule(d, config.conv_kernel_size, bias)
-        self.norm_feed_forward2 = nn.LayerNorm(d)
+        self.norm_feed_forward2 = LayerNorm(d)
         self.feed_forward2 = FeedForward(d, d * config.ff_expansion_factor, bias)
-        self.norm_out = nn.LayerNorm(d)
+        self.norm_out = LayerNorm(d)
 
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
@@ -233,14 +237,14 @@ class CausalSubsampling(nn.Module):
     def __init__(self, config: ConformerConfig):
         super().__init__()
         ch = config.subsampling_conv_channels
-        layers: list[nn.Module] = [nn.Conv2d(1, ch, 3, stride=2, padding=2), nn.ReLU()]
+        layers: list[nn.Module] = [Conv2d(1, ch, 3, stride=2, padding=2), nn.ReLU()]
         for _ in range(config.num_subsampling_stages - 1):
-            layers += [nn.Conv2d(ch, ch, 3, stride=2, padding=2, groups=ch), nn.Conv2d(ch, ch, 1), nn.ReLU()]
+            layers += [Conv2d(ch, ch, 3, stride=2, padding=2, groups=ch), Conv2d(ch, ch, 1), nn.ReLU()]
         self.conv = nn.ModuleList(layers)
         freq = config.feat_in
         for _ in range(config.num_subsampling_stages):
             freq = freq // 2 + 1
-        self.out = nn.Linear(ch * freq, config.d_model)
+        self.out = Linear(ch * freq, config.d_model)
 
     def forward(self, mel: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """mel [B, T, F] -> [B, T', d_model] (only the last frame when ``last_only``)."""
@@ -292,6 +296,9 @@ class FastConformer(nn.Module):
         # Streaming keeps M mel frames with M = 16 + ((1 - 16) mod 8) = 17: the 1, 8, 8, ... cadence
         # leaves consumed = 1 (mod 8), so the window always starts on the subsampling grid.
         self.mel_context = _MEL_CONTEXT + (1 - _MEL_CONTEXT) % self.subsampling
+        # The reference's float32 mel promotes every layer to float32, whatever the weights' dtype;
+        # the opt-in fast mode sets bf16/fp16 here (see VoiceChatModel.activation_dtype).
+        self.activation_dtype = torch.float32
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -308,13 +315,13 @@ class FastConformer(nn.Module):
 
     def fuse(self) -> None:
         for layer in self.layers:
-            layer.self_attn.fuse(self.stream_pos)
+            layer.self_attn.fuse(self.stream_pos.to(self.activation_dtype))
 
     def _check_mel(self, mel: torch.Tensor, where: str) -> torch.Tensor:
         if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[2] != self.config.feat_in:
             raise ValueError(f"FastConformer.{where}: expected mel [1, T, {self.config.feat_in}], "
                              f"got shape {tuple(mel.shape)}")
-        return mel.to(self.pre_encode.out.weight.dtype)
+        return mel.to(self.activation_dtype)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         x = self.pre_encode(self._check_mel(mel, "forward"))
@@ -330,8 +337,7 @@ class FastConformer(nn.Module):
         return x
 
     def new_cache(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> ConformerCache:
-        ref = self.pre_encode.out.weight
-        dtype, device = dtype or ref.dtype, device or ref.device
+        dtype, device = dtype or self.activation_dtype, device or self.pre_encode.out.weight.device
         cfg = self.config
         n = cfg.n_layers
         return ConformerCache(
@@ -400,7 +406,7 @@ class Perception(nn.Module):
         self.preprocessor = nn.Module()
         self.preprocessor.featurizer = _Featurizer(pre.n_fft, pre.win_length, pre.features)
         self.encoder = FastConformer(enc)
-        self.proj = nn.Linear(enc.d_model, config.output_dim, bias=True)
+        self.proj = Linear(enc.d_model, config.output_dim, bias=True)
         # One encoder frame = hop * subsampling input samples (1280 = 80 ms).
         self.frame_samples = pre.hop_length * enc.subsampling_factor
         self.log_mel = LogMel(pre, lookahead_samples=self.frame_samples)

@@ -78,7 +78,8 @@ def run_ours(model_path: str, wave: np.ndarray, prompt: str | None, seed: int, d
 
     import nvchat_torch as nv
 
-    model = nv.load_model(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    model = nv.load_model(model_path, device=device,
+                          dtype=None if dtype in (None, "faithful") else getattr(torch, dtype))
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=prompt, seed=seed,
                                                                  deterministic=True))
     trace = Trace()
@@ -160,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-p", "--prompt", default=None, help="system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="our side's device (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="faithful", choices=("faithful", "float32", "bfloat16", "float16"),
+                   help="our side's mode: faithful (the default of load_model: the reference's dtype flow), "
+                        "float32 (every weight upcast) or the fast bfloat16/float16 mode")
     args = p.parse_args(argv)
     try:
         import mlx_vlm  # noqa: F401

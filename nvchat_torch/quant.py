@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantSpec
+from .layers import Linear
 
 __all__ = [
     "QuantSpec",
@@ -371,7 +372,7 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module:
     out = sum(l.out_features for l in linears)
     if all(isinstance(l, nn.Linear) for l in linears):
         w = torch.cat([l.weight.data for l in linears], 0)
-        fused = nn.Linear(first.in_features, out, bias=any(has_bias), device=w.device, dtype=w.dtype)
+        fused = Linear(first.in_features, out, bias=any(has_bias), device=w.device, dtype=w.dtype)
         fused.weight.data = w
     elif all(isinstance(l, QuantizedLinear) and l.spec == first.spec for l in linears):
         fused = QuantizedLinear(first.in_features, out, any(has_bias), first.spec, first.scales.dtype,

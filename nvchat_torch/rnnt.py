@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import RnntDecoderConfig, RnntJointConfig
+from .layers import Linear, linear
 
 __all__ = ["RnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
            "is_special_piece", "decode_pieces"]
@@ -33,10 +33,19 @@ _SPECIAL_PIECES = frozenset({"<unk>", "<pad>", "<s>", "</s>"})
 class RnntDecoder(nn.Module):
     """Prediction network: ``prediction.embed`` [vocab + 1, H] and ``prediction.dec_rnn.lstm``.
 
-    The LSTM state travels packed as ``hc`` [2 * layers, 1, H]: h of every layer, then c.
-    ``nn.LSTM`` holds the weights under their checkpoint names; steps run ``torch.lstm_cell`` per
-    layer (a fused kernel on cuda), which on CPU also avoids the oneDNN RNN path, slow for
-    one-token steps.
+    The LSTM state travels packed as ``hc`` [2 * layers, 1, H]: h of every layer, then c, in the
+    activation dtype. ``nn.LSTM`` holds the weights under their checkpoint names; steps run
+    ``torch.lstm_cell`` per layer (a fused kernel on cuda), which on CPU also avoids the oneDNN RNN
+    path, slow for one-token steps.
+
+    Layer 0's input projection is formed as the reference forms it: its two biases summed once in
+    their stored dtype, then ``addmm(bias, embed[token], W_ih^T)`` in the promoted dtype of the
+    embedding row and the weight (bf16 arithmetic, one rounding, in a bf16 checkpoint); the start
+    input (a float32 zero vector) gives the bias alone. Everything after that runs in the activation
+    dtype. Each step takes those *input gates* (:meth:`input_gates`) and feeds them to the cell as
+    its input bias. :meth:`fuse` precomputes them for every token (and the start), so a step is one
+    gather, and stores the LSTM weights in the activation dtype: the table replaces the embedding
+    and layer 0's input weight (7 MB more than the bf16 weights at full size).
     """
 
     def __init__(self, config: RnntDecoderConfig):
@@ -44,25 +53,69 @@ class RnntDecoder(nn.Module):
         config.validate()
         self.hidden = config.pred_hidden
         self.layers = config.pred_rnn_layers
+        self.start = config.vocab_size + 1  # the row of the start input in the input-gate table
         self.prediction = nn.ModuleDict({
             "embed": nn.Embedding(config.vocab_size + 1, config.pred_hidden),  # + blank (blank_as_pad)
             "dec_rnn": nn.ModuleDict({"lstm": nn.LSTM(config.pred_hidden, config.pred_hidden,
                                                       config.pred_rnn_layers, batch_first=True)}),
         })
+        self.activation_dtype = torch.float32
+        self.register_buffer("gate_table", None, persistent=False)  # set by fuse(): input gates [vocab + 2, 4H]
+        self.fused = False  # fuse() also stores each cell as buffers cell{k}_{w_ih,w_hh,bias}
+        self.init_constants()
+
+    def init_constants(self, device: torch.device | str | None = None) -> None:
+        """Layer 0's cell takes its input through the bias: a zero input of width 1 and a zero weight."""
+        dtype = self.activation_dtype
+        self.register_buffer("zero_input", torch.zeros(1, 1, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("zero_weight", torch.zeros(4 * self.hidden, 1, dtype=dtype, device=device),
+                             persistent=False)
+
+    def _cell(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(W_ih, W_hh, b_ih + b_hh)`` of ``layer`` in the activation dtype (the biases summed in their own)."""
+        if self.fused:
+            return tuple(getattr(self, f"cell{layer}_{name}") for name in ("w_ih", "w_hh", "bias"))
+        lstm, dtype = self.prediction["dec_rnn"]["lstm"], self.activation_dtype
+        w_ih, w_hh, b_ih, b_hh = (getattr(lstm, f"{name}_l{layer}")
+                                  for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+        return w_ih.to(dtype), w_hh.to(dtype), (b_ih + b_hh).to(dtype)
+
+    def input_gates(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Layer 0's ``x W_ih^T + b`` for ``tokens [N]`` (``self.start``: the zero start input) -> ``[N, 4H]``."""
+        if self.gate_table is not None:
+            return self.gate_table[tokens]
+        lstm, dtype = self.prediction["dec_rnn"]["lstm"], self.activation_dtype
+        bias = lstm.bias_ih_l0 + lstm.bias_hh_l0
+        embedded = self.prediction["embed"](tokens.clamp(max=self.start - 1))
+        gates = linear(embedded, lstm.weight_ih_l0, bias).to(dtype)
+        return torch.where((tokens == self.start)[:, None], bias.to(dtype), gates)
+
+    def fuse(self) -> None:
+        """Precompute the input gates of every token and store the cells in the activation dtype."""
+        if self.fused:
+            return
+        self.gate_table = self.input_gates(torch.arange(self.start + 1, device=self.zero_input.device)).detach()
+        for layer in range(self.layers):
+            for name, t in zip(("w_ih", "w_hh", "bias"), self._cell(layer)):
+                if layer == 0 and name == "w_ih":  # the gate table replaces it
+                    t = self.zero_weight
+                self.register_buffer(f"cell{layer}_{name}", t.detach(), persistent=False)
+        self.fused = True
+        del self.prediction["embed"], self.prediction["dec_rnn"]
 
     def zero_state(self) -> torch.Tensor:
-        w = self.prediction["embed"].weight
-        return torch.zeros(2 * self.layers, 1, self.hidden, dtype=w.dtype, device=w.device)
+        return torch.zeros(2 * self.layers, 1, self.hidden, dtype=self.activation_dtype, device=self.zero_input.device)
 
-    def step(self, x: torch.Tensor, hc: torch.Tensor, with_output: bool = False) -> torch.Tensor:
-        """One LSTM step: input x [1, H], state hc [2 * layers, 1, H] -> the new hc (its h[-1] is the output;
-        ``with_output`` appends it once more as a last row, in the same op)."""
-        lstm = self.prediction["dec_rnn"]["lstm"]
+    def step(self, gates: torch.Tensor, hc: torch.Tensor, with_output: bool = False) -> torch.Tensor:
+        """One LSTM step: layer 0's input gates [1, 4H], state hc [2 * layers, 1, H] -> the new hc (its
+        h[-1] is the output; ``with_output`` appends it once more as a last row, in the same op)."""
         hs, cs = [], []
+        x = self.zero_input
         for layer in range(self.layers):
-            x, c = torch.lstm_cell(x, (hc[layer], hc[self.layers + layer]),
-                                   *(getattr(lstm, f"{name}_l{layer}")
-                                     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")))
+            w_ih, w_hh, bias = self._cell(layer)
+            if layer == 0:  # the input arrives as the bias: (0 + gates) + h W_hh^T, the reference's sum
+                w_ih, bias = self.zero_weight, gates
+            x, c = torch.lstm_cell(x, (hc[layer], hc[self.layers + layer]), w_ih, w_hh, bias, None)
             hs.append(x)
             cs.append(c)
         return torch.stack(hs + cs + hs[-1:] if with_output else hs + cs)
@@ -71,12 +124,11 @@ class RnntDecoder(nn.Module):
         """tokens [1, U] (None: the start symbol, a zero input) -> (outputs [1, U, H], final hc)."""
         hc = self.zero_state() if hc is None else hc
         if tokens is None:
-            inputs = hc.new_zeros(1, 1, self.hidden)
-        else:
-            inputs = self.prediction["embed"](tokens)
+            tokens = torch.tensor([[self.start]], device=self.zero_input.device)
+        gates = self.input_gates(tokens.reshape(-1))
         outputs = []
-        for u in range(inputs.shape[1]):
-            hc = self.step(inputs[:, u], hc)
+        for u in range(gates.shape[0]):
+            hc = self.step(gates[u:u + 1], hc)
             outputs.append(hc[self.layers - 1])
         return torch.stack(outputs, dim=1), hc
 
@@ -87,9 +139,9 @@ class RnntJoint(nn.Module):
     def __init__(self, config: RnntJointConfig):
         super().__init__()
         config.validate()
-        self.enc = nn.Linear(config.encoder_hidden, config.joint_hidden)
-        self.pred = nn.Linear(config.pred_hidden, config.joint_hidden)
-        self.joint_net = nn.Sequential(nn.ReLU(), nn.Identity(), nn.Linear(config.joint_hidden, config.num_classes + 1))
+        self.enc = Linear(config.encoder_hidden, config.joint_hidden)
+        self.pred = Linear(config.pred_hidden, config.joint_hidden)
+        self.joint_net = nn.Sequential(nn.ReLU(), nn.Identity(), Linear(config.joint_hidden, config.num_classes + 1))
 
     def forward(self, encoded: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
         """encoded [B, T, D_enc], prediction [B, U, D_pred] -> logits [B, T, U, classes]."""
@@ -130,7 +182,6 @@ class RnntTranscriber(nn.Module):
         updates ``state``. Special pieces (language tags, <unk>) are returned too: they advance the
         prediction network, and :class:`TranscriptText` leaves them out of the text."""
         decoder, layers = self.decoder, self.decoder.layers
-        embed = decoder.prediction["embed"]
         pred = self.joint.pred
         # enc(e) + pred(p) as one addmm per symbol: the frame's projection rides in the bias.
         frame_bias = self.joint.enc(encoded_frame.reshape(1, -1)) + pred.bias
@@ -138,11 +189,11 @@ class RnntTranscriber(nn.Module):
         active = None
         tokens, kept = [], []
         for _ in range(self.max_symbols):
-            token = self.joint.joint_net(F.linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [1]
+            token = self.joint.joint_net(linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [1]
             emitted = token != self.blank_id
             active = emitted if active is None else active & emitted
             # The candidate state is computed every time and kept only while tokens are being emitted.
-            hc = torch.where(active, decoder.step(embed(token), hc[:2 * layers], with_output=True), hc)
+            hc = torch.where(active, decoder.step(decoder.input_gates(token), hc[:2 * layers], with_output=True), hc)
             tokens.append(token)
             kept.append(active)
         state.hc = hc

@@ -39,7 +39,7 @@ def tiny_config_dict(preset: str = "tiny", *, hidden: int = 64, vocab: int = 320
     text.update(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
                 ssm_state_size=16, conv_kernel=4, hybrid_override_pattern=pattern,
-                num_hidden_layers=len(pattern), max_position_embeddings=4096)
+                num_hidden_layers=len(pattern))  # max_position_embeddings as the real model: 131072
     n_rnnt = len(RNNT_VOCABULARY)
     return {
         "model_type": "nemotron_voicechat",

@@ -361,10 +361,10 @@ class GemmaBackbone(nn.Module):
         return self.rope_global.cos.shape[0]
 
     def reserve_positions(self, positions: int) -> None:
-        """Build the rotary tables for ``positions`` positions (the model does it when built, from the
-        LLM's ``max_position_embeddings``), so no session changes them while stepping."""
-        self.rope_local.reserve(positions)
-        self.rope_global.reserve(positions)
+        """Build the rotary tables for exactly ``positions`` positions (the model does it when built, from
+        the LLM's ``max_position_embeddings``), so no session changes them while stepping."""
+        for rope in (self.rope_local, self.rope_global):
+            rope.init_constants(rope.cos.device, positions)
 
     def new_cache(self) -> TTSCache:
         """An empty cache (two rows: conditional, unconditional) in the model's dtype and device."""

@@ -1,0 +1,149 @@
+"""Layers that compute as the MLX reference does, with every weight kept in its stored dtype.
+
+MLX never casts a weight to an "activation dtype". Each op runs in the promoted dtype of its
+operands: float32 activations with bf16 weights compute in float32 (the upcast is exact), bf16
+activations with bf16 weights compute in bf16. A Python scalar takes the array's dtype, so in bf16
+it is rounded before use. Its bf16 matmul (CPU and GPU) accumulates in float32 and rounds once,
+bias included. torch refuses mixed dtypes in ``F.linear``/``conv``/``layer_norm``, and its own bf16
+elementwise kernels round differently, so the networks use these instead:
+
+* :func:`linear`, :func:`matmul`, :class:`Linear`, :class:`Conv1d`, :class:`Conv2d`, :class:`LayerNorm`: promote
+  the operands, then one torch op; a reduced-precision result is computed in float32 and rounded
+  once, as MLX does (bitwise equal on every case measured, see ``tests/test_layers.py``).
+* :func:`scalar`, :func:`sigmoid`, :func:`gelu_tanh`, :func:`gelu_erf`, :func:`softplus`,
+  :func:`mean_last`, :func:`var_last`: in float32 the torch op; in bf16/fp16 the same formula MLX
+  evaluates, one rounding per op, with its constants rounded to the dtype first.
+
+In float32 every helper is the plain torch op (a ``.to`` that converts nothing launches no kernel),
+so a float32 model pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid",
+           "gelu_tanh", "gelu_erf", "softplus", "mean_last", "var_last"]
+
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def promoted(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype:
+    """The dtype MLX computes ``x op others`` in."""
+    dtype = x.dtype
+    for t in others:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in the promoted dtype; bf16/fp16 accumulate in float32, one rounding."""
+    dtype = promoted(x, weight, bias)
+    if dtype in REDUCED:
+        return F.linear(x.float(), weight.float(), _as(bias, torch.float32)).to(dtype)
+    return F.linear(x.to(dtype), weight.to(dtype), _as(bias, dtype))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the promoted dtype; bf16/fp16 accumulate in float32, one rounding."""
+    dtype = promoted(a, b)
+    if dtype in REDUCED:
+        return torch.matmul(a.float(), b.float()).to(dtype)
+    return torch.matmul(a.to(dtype), b.to(dtype))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoint keys) computing with :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Conv1d(nn.Conv1d):
+    """``nn.Conv1d`` in the promoted dtype (reduced precision: float32 accumulation, one rounding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = promoted(x, self.weight, self.bias)
+        work = torch.float32 if dtype in REDUCED else dtype
+        return self._conv_forward(x.to(work), self.weight.to(work), _as(self.bias, work)).to(dtype)
+
+
+class Conv2d(nn.Conv2d):
+    """``nn.Conv2d`` in the promoted dtype (reduced precision: float32 accumulation, one rounding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = promoted(x, self.weight, self.bias)
+        work = torch.float32 if dtype in REDUCED else dtype
+        return self._conv_forward(x.to(work), self.weight.to(work), _as(self.bias, work)).to(dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` in the promoted dtype of the input and its affine parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = promoted(x, self.weight, self.bias)
+        return F.layer_norm(x.to(dtype), self.normalized_shape, _as(self.weight, dtype), _as(self.bias, dtype),
+                            self.eps)
+
+
+@functools.lru_cache(maxsize=None)
+def scalar(value: float, dtype: torch.dtype) -> float:
+    """``value`` as MLX uses it with an array of ``dtype``: rounded to that dtype (a host computation, once)."""
+    return torch.tensor(value, dtype=dtype).item() if dtype in REDUCED else value
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """MLX's sigmoid: ``y = 1 / (1 + exp(|x|))`` (exp rounded to x's dtype, the rest in float32), then
+    ``y`` for negative x and ``1 - y`` otherwise, rounded once."""
+    if x.dtype not in REDUCED:
+        return torch.sigmoid(x)
+    y = 1.0 / (1.0 + torch.exp(x.abs()).float())
+    return torch.where(x < 0, y, 1.0 - y).to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``; in bf16 one rounding per op (``x^3`` once)."""
+    if x.dtype not in REDUCED:
+        return F.gelu(x, approximate="tanh")
+    dt = x.dtype
+    cube = x.float().pow(3).to(dt)
+    inner = torch.tanh(scalar(math.sqrt(2.0 / math.pi), dt) * (x + scalar(0.044715, dt) * cube))
+    return scalar(0.5, dt) * x * (1.0 + inner)
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """``x (1 + erf(x / sqrt 2)) / 2``; in bf16 one rounding per op."""
+    if x.dtype not in REDUCED:
+        return F.gelu(x)
+    return x * (1.0 + torch.erf(x / scalar(math.sqrt(2.0), x.dtype))) / 2.0
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))`` as MLX's ``logaddexp(x, 0)``: ``max + log1p(exp(min - max))``, each op rounded."""
+    if x.dtype not in REDUCED:
+        return F.softplus(x)
+    high, low = x.clamp(min=0), x.clamp(max=0)
+    return high + torch.log1p(torch.exp(low - high))
+
+
+def mean_last(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last axis, kept: MLX sums in float32, rounds, then multiplies by ``1 / n`` in x's dtype."""
+    if x.dtype not in REDUCED:
+        return x.mean(-1, keepdim=True)
+    return x.sum(-1, keepdim=True, dtype=torch.float32).to(x.dtype) * scalar(1.0 / x.shape[-1], x.dtype)
+
+
+def var_last(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Biased variance over the last axis, kept, given its :func:`mean_last`: ``mean((x - mean)^2)``."""
+    centred = x - mean
+    return mean_last(centred * centred)
