@@ -127,7 +127,7 @@ async def run(args) -> int:
                     committed = True
                 elif kind == "error":
                     print(f"\n[error {event['error'].get('code')}] {event['error']['message']}", file=sys.stderr)
-                    if event["error"].get("type") == "server_error":
+                    if event["error"].get("code") in ("session_failed", "context_limit"):  # the session is over
                         return 1
 
         chunks = mic_chunks(args.duration) if args.mic else file_chunks(args, prepare_input)

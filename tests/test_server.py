@@ -413,3 +413,84 @@ def test_non_loopback_host_warns(monkeypatch, capsys):
     assert "warning: binding 0.0.0.0" in err and "--api-key" in err
     assert cli.main(["--port", "9", "--device", "cpu", "--max-sessions", "0"]) == 2
     assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and not cli.is_loopback("192.168.1.4")
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+class _CallingModel:
+    """The model, but each session first 'decides' to call a tool: ``spans`` are forced on its function channel."""
+
+    def __init__(self, model, spans: list[str]):
+        self._model, self.spans, self.sessions = model, spans, []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def create_streaming_session(self, options):
+        session = self._model.create_streaming_session(options)
+        for span in self.spans:
+            session.force_tokens("function", self._model.tokenizer.encode(span, add_special_tokens=False))
+        self.sessions.append(session)
+        return session
+
+
+def test_tool_calls_over_the_realtime_protocol(make_checkpoint, question):
+    """session.update tools -> function_call items; function_call_output -> send_tool_result; bad spans -> error."""
+    model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
+    call = '<SPECIAL_20><TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL><SPECIAL_21>'
+    bad = '<SPECIAL_20><TOOLCALL>[{"name": "get_time", "arguments": {}}]</TOOLCALL><SPECIAL_21>'
+    calling = _CallingModel(model, [call, bad])
+    session = {**GA_16K_22K, "tools": [WEATHER], "tool_choice": "auto", "nvchat": {"deterministic": True}}
+
+    async def run(address):
+        client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://{address}/v1")
+        async with client.realtime.connect(model="nvchat") as conn:
+            await conn.session.update(session=session)
+            forced = sum(len(model.tokenizer.encode(x, add_special_tokens=False)) for x in (call, bad))
+            for i in range(0, (forced + 2) * 1280, 1280):
+                await conn.input_audio_buffer.append(audio=b64(question[i % 40000:i % 40000 + 1280]))
+            seen, done, errors = [], None, []
+            while len(errors) < 1 or done is None:
+                event = await asyncio.wait_for(conn.recv(), TIMEOUT)
+                seen.append(event)
+                if event.type == "response.function_call_arguments.done":
+                    done = event
+                elif event.type == "error":
+                    errors.append(event.error)
+            await conn.send({"type": "conversation.item.create", "item": {
+                "type": "function_call_output", "call_id": "call_nope", "output": "{}"}})
+            errors.append(await wait_for_error(conn))
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": done.call_id,
+                                                      "output": json.dumps({"temperature_c": 21})})
+            for i in range(0, 60 * 1280, 1280):
+                await conn.input_audio_buffer.append(audio=b64(question[i % 40000:i % 40000 + 1280]))
+            await conn.input_audio_buffer.commit()
+            while True:
+                event = await asyncio.wait_for(conn.recv(), TIMEOUT)
+                seen.append(event)
+                assert event.type != "error", event
+                if event.type == "input_audio_buffer.committed":
+                    break
+            return seen, done, errors
+
+    with serve(calling) as (address, _):
+        seen, done, errors = asyncio.run(run(address))
+    assert done.name == "get_weather" and json.loads(done.arguments) == {"city": "Paris"}
+    added = [e for e in seen if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert len(added) == 1 and added[0].item.call_id == done.call_id
+    delta = [e for e in seen if e.type == "response.function_call_arguments.delta"]
+    assert "".join(e.delta for e in delta) == done.arguments
+    assert [e.code for e in errors] == ["tool_call_parse_error", "invalid_tool_result"]
+    assert "get_time" in errors[0].message
+    session = calling.sessions[0]
+    assert session.pending_tool_calls == []  # answered through send_tool_result
+    assert '<TOOL_RESPONSE>[{"temperature_c": 21}]</TOOL_RESPONSE>' in session.function_text
+
+
+async def wait_for_error(conn):
+    while True:
+        event = await asyncio.wait_for(conn.recv(), TIMEOUT)
+        if event.type == "error":
+            return event.error

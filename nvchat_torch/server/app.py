@@ -368,6 +368,13 @@ class Connection:
             if tools and not _tools_supported():
                 raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet",
                                   "session.tools")
+            if tools:
+                from ..tools import validate_tools
+
+                try:
+                    validate_tools(tools)
+                except ValueError as e:
+                    raise ClientError("invalid_value", f"session.tools: {e}", "session.tools") from None
             cfg.tools = tools
         if "tool_choice" in session:
             if session["tool_choice"] not in ("auto", None):
@@ -405,8 +412,11 @@ class Connection:
     def _start(self, announce: bool = False) -> None:
         cfg = self.config
         kwargs = {"tools": cfg.tools} if cfg.tools else {}
-        options = StreamingOptions(system_prompt=cfg.instructions, seed=cfg.seed, deterministic=cfg.deterministic,
-                                   max_streaming_seconds=cfg.max_streaming_seconds, **kwargs)
+        try:
+            options = StreamingOptions(system_prompt=cfg.instructions, seed=cfg.seed, deterministic=cfg.deterministic,
+                                       max_streaming_seconds=cfg.max_streaming_seconds, **kwargs)
+        except ValueError as e:
+            raise ClientError("invalid_value", f"cannot start the session: {e}", "session") from None
         self.in_resampler = StreamResampler(cfg.input_rate, self.model_rate)
         self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
         self.announce_open = announce
@@ -563,9 +573,9 @@ class Connection:
         elif kind == "tool_call":
             await self._tool_call(event)
         elif kind == "tool_call_error":
-            await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: "
-                                  f"{getattr(event, 'error', None) or getattr(event, 'reason', '')} "
-                                  f"(raw: {getattr(event, 'raw', None) or event.text!r})", kind="server_error")
+            # the session goes on: the model sees no result, as after any call nobody answers
+            await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: {event.reason} "
+                                  f"(raw: {event.text!r})", kind="server_error")
         # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
 
     async def _send_audio(self, samples: np.ndarray) -> None:
