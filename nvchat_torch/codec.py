@@ -31,6 +31,7 @@ __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder
 
 MAX_MAGNITUDE = 100.0  # the spectral head's magnitude ceiling: |X| = 100 * sigmoid(logit - ln 100)
 ENVELOPE_FLOOR = 1e-10  # guard of the window-square overlap-add normalisation
+DECODE_CHUNK = 256  # code frames per piece of an offline decode (bounded memory on long audio)
 
 
 class ChannelLayerNorm(nn.LayerNorm):
@@ -356,13 +357,37 @@ class Codec(nn.Module):
         waveform = self.istft(spectrum)
         return waveform[..., self.trim_left: waveform.shape[-1] - self.trim_right]
 
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """``[B, 31, T]`` codes -> ``[B, 1, 1764 * T]`` float32 waveform (offline; checks the code range)."""
+    def decode(self, codes: torch.Tensor, chunk: int = DECODE_CHUNK) -> torch.Tensor:
+        """``[B, 31, T]`` codes -> ``[B, 1, 1764 * T]`` float32 waveform (offline; checks the code range).
+
+        Long inputs decode ``chunk`` code frames at a time, in bounded memory, to the same waveform:
+        the ConvNeXt blocks carry their last ``kernel - 1`` input frames from piece to piece (as
+        streaming does), and each piece's iSTFT starts 3 spectral frames early, so that its samples
+        get every overlapping frame, and the window-square envelope they saw in one pass."""
         self._check_codes(codes)
         low, high = (bound.item() for bound in torch.aminmax(codes))
         if low < 0 or high >= self.config.codebook_size:
             raise ValueError(f"codes must lie in [0, {self.config.codebook_size}), got values in [{low}, {high}]")
-        return self.decode_latents(self.prvq.decode(codes))
+        latents = self.prvq.decode(codes)
+        frames = latents.shape[1]
+        if frames <= chunk:
+            return self.decode_latents(latents)
+        hop = self.config.hop_length
+        overlap = self.config.n_fft // hop - 1  # earlier spectral frames that reach a piece's first sample
+        states = [block.new_zeros(block.shape) for block in self.new_cache(latents.shape[0]).blocks]
+        previous, pieces = None, []
+        for start in range(0, frames, chunk):
+            features = self.decoder(latents[:, start:start + chunk].transpose(1, 2), states)
+            spectrum = self._spectrum(features)
+            context = 0 if previous is None else overlap
+            waveform = self.istft(spectrum if previous is None else torch.cat([previous, spectrum], dim=-1))
+            # samples [hop * first frame, hop * end frame) of the whole sequence; the last piece keeps its tail
+            last = start + chunk >= frames
+            end = waveform.shape[-1] if last else context * hop + spectrum.shape[-1] * hop
+            pieces.append(waveform[..., context * hop:end])
+            previous = spectrum[..., -overlap:]
+        waveform = torch.cat(pieces, dim=-1)
+        return waveform[..., self.trim_left: waveform.shape[-1] - self.trim_right]
 
     def new_cache(self, batch: int = 1) -> CodecCache:
         """A zeroed streaming cache on the codec's device."""

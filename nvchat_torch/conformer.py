@@ -34,6 +34,7 @@ _MASKED = -1e30
 # Mel frames the streaming subsampling keeps before each new chunk: at least the causal receptive
 # field of the strided stack (15 frames for x8), aligned to the subsampling grid (FastConformer.mel_context).
 _MEL_CONTEXT = 16
+OFFLINE_CHUNK = 512  # encoder frames per piece of the offline pass (bounded memory on long audio)
 
 
 def relative_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -323,18 +324,59 @@ class FastConformer(nn.Module):
                              f"got shape {tuple(mel.shape)}")
         return mel.to(self.activation_dtype)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        x = self.pre_encode(self._check_mel(mel, "forward"))
+    def forward(self, mel: torch.Tensor, chunk: int = OFFLINE_CHUNK) -> torch.Tensor:
+        """The whole sequence, computed in pieces of ``chunk`` output frames so that memory stays bounded
+        (a single pass needs a ``[T, T]`` mask and ``[H, T, 2T - 1]`` position scores). The pieces are
+        exact: the subsampling is causal with a short reach, and a layer's output frame depends on its
+        input frames up to ``left`` (attention) + ``kernel - 1`` (convolution) back, which each piece
+        recomputes as a margin before it."""
+        x = self._subsample(self._check_mel(mel, "forward"), chunk)
         if self.xscale is not None:
             x = x * self.xscale
         t = x.shape[1]
+        margin = self.left + self.config.conv_kernel_size - 1
+        if t <= chunk + margin:
+            pos_emb, mask = self._offline_tables(t, x)
+            for layer in self.layers:
+                x = layer(x, pos_emb, mask)
+            return x
+        tables = {}
+        for layer in self.layers:
+            out = torch.empty_like(x)
+            for start in range(0, t, chunk):
+                end, first = min(start + chunk, t), max(0, start - margin)
+                if end - first not in tables:
+                    tables[end - first] = self._offline_tables(end - first, x)
+                out[:, start:end] = layer(x[:, first:end], *tables[end - first])[:, start - first:]
+            x = out
+        return x
+
+    def _offline_tables(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Relative position embeddings ``[2t - 1, d]`` and the additive limited-context mask ``[t, t]``."""
         idx = torch.arange(t, device=x.device)
         pos_emb = relative_positions(t - 1 - torch.arange(2 * t - 1, device=x.device), self.d_model).to(x.dtype)
         lag = idx[:, None] - idx[None, :]
         mask = torch.where((lag >= 0) & (lag <= self.left), 0.0, _MASKED).to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, pos_emb, mask)
-        return x
+        return pos_emb, mask
+
+    def _subsample(self, mel: torch.Tensor, chunk: int) -> torch.Tensor:
+        """``pre_encode`` in pieces of ``chunk`` output frames. Output frame j sees mel frames up to
+        ``8j``; a piece's window starts two output frames early on the x8 grid (what streaming keeps,
+        ``mel_context``), and those two frames, which see the window's zero padding, are dropped."""
+        n_mel, s = mel.shape[1], self.subsampling
+        if n_mel <= s * (chunk + 2):
+            return self.pre_encode(mel)
+        total = n_mel
+        for _ in range(self.config.num_subsampling_stages):
+            total = total // 2 + 1
+        pieces = []
+        for start in range(0, total, chunk):
+            end = min(start + chunk, total)
+            back = min(start, 2)
+            first = s * (start - back)
+            last = n_mel if end == total else s * (end - 1) + 1
+            pieces.append(self.pre_encode(mel[:, first:last])[:, back:back + end - start])
+        return torch.cat(pieces, dim=1)
 
     def new_cache(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> ConformerCache:
         dtype, device = dtype or self.activation_dtype, device or self.pre_encode.out.weight.device

@@ -296,3 +296,33 @@ def test_three_threads_give_what_each_session_gives_alone(tiny):
     assert not errors and not any(t.is_alive() for t in threads)
     assert results == alone
     assert alone[0] != alone[1]  # the inputs differ, so the comparison means something
+
+
+# ---- offline in bounded memory: pieces equal to one pass
+
+
+def test_offline_encoder_in_pieces_equals_one_pass(tiny):
+    perception = tiny.stt_model.perception
+    encoder = perception.encoder
+    wave = np.concatenate([synth_audio(8.0, seed=s) for s in range(7)])  # 56 s: 701 encoder frames
+    with torch.inference_mode():
+        mel = perception.log_mel(torch.from_numpy(wave))
+        whole = encoder(mel, chunk=10**6)
+        assert whole.shape[1] == 701 > 512 + encoder.left + 8  # the default really runs in pieces
+        for chunk in (1, 37, 512):
+            torch.testing.assert_close(encoder(mel, chunk=chunk), whole, atol=2e-5, rtol=1e-5)
+        for frames in (1, 9, 17, 100, 803):  # the subsampling's pieces at every length and alignment
+            part = encoder._check_mel(mel[:, :frames], "test")
+            torch.testing.assert_close(encoder._subsample(part, 2), encoder.pre_encode(part), atol=2e-5, rtol=1e-5)
+        assert tiny.transcriber.greedy_decode(encoder(mel)) == tiny.transcriber.greedy_decode(whole)
+
+
+def test_codec_decode_in_pieces_equals_one_pass(tiny):
+    codec = tiny.tts_model.audio_codec
+    codes = torch.randint(0, codec.config.codebook_size, (1, codec.config.num_quantizers, 300),
+                          generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        whole = codec.decode(codes, chunk=10**6)
+        assert whole.shape == (1, 1, 300 * 1764)
+        for chunk in (1, 7, 256):
+            torch.testing.assert_close(codec.decode(codes, chunk=chunk), whole, atol=1e-5, rtol=0)

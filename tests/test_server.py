@@ -494,3 +494,46 @@ async def wait_for_error(conn):
         event = await asyncio.wait_for(conn.recv(), TIMEOUT)
         if event.type == "error":
             return event.error
+
+
+def test_scheduler_interleaves_sessions_frame_by_frame():
+    """Two sessions with many queued frames take turns, one frame each, on the worker thread."""
+    from types import SimpleNamespace
+
+    from nvchat_torch.events import VoiceChatEvent
+    from nvchat_torch.server.scheduler import FrameScheduler
+
+    ran = []
+
+    class Session:
+        last_ids = (5, 5)
+
+        def __init__(self, name):
+            self.name = name
+
+        def push_audio(self, samples, rate):
+            assert len(samples) <= 1280 and threading.current_thread().name == "nvchat-frames"
+            ran.append(self.name)
+            time.sleep(0.002)
+            return [VoiceChatEvent("audio", len(ran))]
+
+    model = SimpleNamespace(config=SimpleNamespace(input_frame_samples=1280, input_sample_rate=16000),
+                            create_streaming_session=lambda options: Session(options.system_prompt))
+    scheduler = FrameScheduler(model)
+    done = {"a": threading.Event(), "b": threading.Event()}
+    try:
+        handles = {}
+        with scheduler._cond:  # queue everything before the worker starts (the lock is reentrant)
+            for name in ("a", "b"):
+                handles[name] = scheduler.open(nv.StreamingOptions(system_prompt=name),
+                                               lambda out, name=name: out.kind == "mark" and done[name].set())
+            scheduler.push(handles["a"], np.zeros(20 * 1280, np.float32))  # a's 20 frames are queued first
+            scheduler.push(handles["b"], np.zeros(10 * 1280, np.float32))
+            for name in ("a", "b"):
+                scheduler.mark(handles[name], "end")
+        assert done["a"].wait(30) and done["b"].wait(30)
+        assert ran[:20] == ["a", "b"] * 10 and ran[20:] == ["a"] * 10
+        scheduler.close(handles["a"])
+        assert scheduler.active == 1
+    finally:
+        scheduler.stop()
