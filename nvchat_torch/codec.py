@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CodecConfig
-from .layers import REDUCED, Conv1d, gelu_erf, linear, mean_last, scalar, softplus, var_last
+from .layers import REDUCED, Conv1d, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus, var_last
 
 __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer"]
 
@@ -42,7 +42,7 @@ class ChannelLayerNorm(nn.LayerNorm):
         if x.dtype not in REDUCED:
             return super().forward(x)
         mean = mean_last(x)
-        normalized = (x - mean) * torch.rsqrt(var_last(x, mean) + scalar(self.eps, x.dtype))
+        normalized = (x - mean) * rsqrt(var_last(x, mean) + scalar(self.eps, x.dtype))
         return normalized * self.weight + self.bias
 
 
@@ -71,8 +71,8 @@ class ConvNeXtBlock(nn.Module):
             padded = torch.cat([state, x], dim=-1)
             state.copy_(padded[..., -self.context:])
         h = self.norm(self.dwconv(padded).transpose(1, 2))
-        h = gelu_erf(linear(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
-        h = linear(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
+        h = gelu_erf(pointwise(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
+        h = pointwise(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
         return x + h.transpose(1, 2)
 
 

@@ -7,11 +7,12 @@ it is rounded before use. Its bf16 matmul (CPU and GPU) accumulates in float32 a
 bias included. torch refuses mixed dtypes in ``F.linear``/``conv``/``layer_norm``, and its own bf16
 elementwise kernels round differently, so the networks use these instead:
 
-* :func:`linear`, :func:`matmul`, :class:`Linear`, :class:`Conv1d`, :class:`Conv2d`, :class:`LayerNorm`: promote
-  the operands, then one torch op; a reduced-precision result is computed in float32 and rounded
-  once, as MLX does (bitwise equal on every case measured, see ``tests/test_layers.py``).
+* :func:`linear`, :func:`matmul`, :class:`Linear`, :class:`LayerNorm`: promote the operands, then
+  one torch op; a reduced-precision result is computed in float32 and rounded once, as MLX does
+  (bitwise equal on every case measured, see ``tests/test_layers.py``). :class:`Conv1d`,
+  :class:`Conv2d` and :func:`pointwise` add the bias after the convolution, as MLX's conv layers.
 * :func:`scalar`, :func:`sigmoid`, :func:`gelu_tanh`, :func:`gelu_erf`, :func:`softplus`,
-  :func:`mean_last`, :func:`var_last`: in float32 the torch op; in bf16/fp16 the same formula MLX
+  :func:`rsqrt`, :func:`mean_last`, :func:`var_last`: in float32 the torch op; in bf16/fp16 the same formula MLX
   evaluates, one rounding per op, with its constants rounded to the dtype first.
 
 In float32 every helper is the plain torch op (a ``.to`` that converts nothing launches no kernel),
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid",
-           "gelu_tanh", "gelu_erf", "softplus", "mean_last", "var_last"]
+           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -69,22 +70,36 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def _conv(conv: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """MLX's conv layers: the convolution in the promoted dtype, then ``+ bias``. In reduced precision
+    each is rounded (the convolution accumulates in float32); in float32 torch adds the bias in-kernel."""
+    dtype = promoted(x, conv.weight, conv.bias)
+    if dtype not in REDUCED:
+        return conv._conv_forward(x.to(dtype), conv.weight.to(dtype), _as(conv.bias, dtype))
+    y = conv._conv_forward(x.float(), conv.weight.float(), None).to(dtype)
+    return y if conv.bias is None else y + conv.bias.view(-1, *[1] * (y.dim() - 2))
+
+
+def pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A kernel-1 conv (``weight [out, in]``) on channel-last ``x``: as :func:`_conv`, as a matmul."""
+    if promoted(x, weight, bias) not in REDUCED:
+        return linear(x, weight, bias)
+    y = linear(x, weight)
+    return y if bias is None else y + bias
+
+
 class Conv1d(nn.Conv1d):
-    """``nn.Conv1d`` in the promoted dtype (reduced precision: float32 accumulation, one rounding)."""
+    """``nn.Conv1d`` computed as MLX's (see :func:`_conv`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = promoted(x, self.weight, self.bias)
-        work = torch.float32 if dtype in REDUCED else dtype
-        return self._conv_forward(x.to(work), self.weight.to(work), _as(self.bias, work)).to(dtype)
+        return _conv(self, x)
 
 
 class Conv2d(nn.Conv2d):
-    """``nn.Conv2d`` in the promoted dtype (reduced precision: float32 accumulation, one rounding)."""
+    """``nn.Conv2d`` computed as MLX's (see :func:`_conv`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = promoted(x, self.weight, self.bias)
-        work = torch.float32 if dtype in REDUCED else dtype
-        return self._conv_forward(x.to(work), self.weight.to(work), _as(self.bias, work)).to(dtype)
+        return _conv(self, x)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -141,6 +156,13 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in REDUCED:
         return x.mean(-1, keepdim=True)
     return x.sum(-1, keepdim=True, dtype=torch.float32).to(x.dtype) * scalar(1.0 / x.shape[-1], x.dtype)
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(x)``; in bf16 as MLX's CPU kernel: the square root rounded, then the reciprocal rounded."""
+    if x.dtype not in REDUCED:
+        return torch.rsqrt(x)
+    return 1.0 / torch.sqrt(x)
 
 
 def var_last(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

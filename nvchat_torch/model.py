@@ -27,8 +27,9 @@ from .config import QuantSpec, VoiceChatConfig
 from .diagnostics import model_bytes
 from .conformer import Perception
 from .events import StreamingOptions, VoiceChatResult
+from .layers import Linear
 from .nemotron_h import NemotronHModel, fuse_heads
-from .quant import pack_int4, quantize_modules
+from .quant import QuantizedEmbedding, pack_int4, quantize_modules
 from .rnnt import RnntDecoder, RnntJoint, RnntTranscriber
 from .tts import SpeechDecoder, TTSPrompt
 
@@ -44,8 +45,8 @@ class DuplexSTTModel(nn.Module):
         t = config.text_config
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
         self.llm = NemotronHModel(t)
-        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
-        self.function_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.lm_head = Linear(t.hidden_size, t.vocab_size, bias=False)
+        self.function_head = Linear(t.hidden_size, t.vocab_size, bias=False)
         self.perception = Perception(config.audio_config)
         self.rnnt_decoder = RnntDecoder(config.audio_config.decoder)
         self.rnnt_joint = RnntJoint(config.audio_config.joint)
@@ -86,11 +87,21 @@ class VoiceChatModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.stt_model.perception.proj.weight.dtype
+        """The activation dtype: float32 (the reference's flow) unless the opt-in fast mode set bf16/fp16."""
+        return self.stt_model.perception.encoder.activation_dtype
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> None:
+        """Where the reference promotes to float32 (perception, RNNT, TTS backbone and heads), compute in
+        ``dtype`` instead: float32 is the faithful default, bf16/fp16 the fast mode. Call before
+        :meth:`init_constants` and :meth:`prepare`."""
+        for module in self.modules():
+            if hasattr(module, "activation_dtype"):
+                module.activation_dtype = dtype
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
         self.stt_model.perception.init_constants(device)
+        self.stt_model.rnnt_decoder.init_constants(device)
         self.stt_model.llm.init_constants(device)
         self.tts_model.init_constants(device)
 
@@ -99,6 +110,7 @@ class VoiceChatModel(nn.Module):
         fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul, stacked codebooks,
         and 4-bit packed linears on torch's int4pack kernel where the device has it."""
         self.stt_model.perception.fuse()
+        self.stt_model.rnnt_decoder.fuse()
         self.stt_model.llm.fuse()
         self.tts_model.fuse()
         self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
@@ -138,13 +150,15 @@ class VoiceChatModel(nn.Module):
 
     def generate(self, audio, system_prompt: str | None = None, seed: int = 0, deterministic: bool = False,
                  *, max_frames: int | None = None, extra_decoding_seconds: float = 0.0,
-                 use_language_cache: bool = True) -> VoiceChatResult:
-        """One offline turn over the whole ``audio`` (16 kHz mono array/tensor, or a file path)."""
+                 use_language_cache: bool = True, tools: list[dict] | None = None) -> VoiceChatResult:
+        """One offline turn over the whole ``audio`` (16 kHz mono array/tensor, or a file path).
+        ``tools``: OpenAI-format function tools (see :mod:`nvchat_torch.tools`); the calls the model
+        makes are in ``result.tool_calls``."""
         from .session import generate_offline
 
         return generate_offline(self, audio, system_prompt=system_prompt, seed=seed, deterministic=deterministic,
                                 max_frames=max_frames, extra_decoding_seconds=extra_decoding_seconds,
-                                use_language_cache=use_language_cache)
+                                use_language_cache=use_language_cache, tools=tools)
 
 
 # --------------------------------------------------------------------------------------
@@ -160,9 +174,10 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on the CPU (exact parity with the reference); bfloat16 on cuda and mps."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+def default_dtype(device: torch.device) -> torch.dtype | None:
+    """None on every device: weights as stored, float32 activations where the reference computes in
+    float32 and bf16 arithmetic where it does (the faithful mode; see docs/parity.md)."""
+    return None
 
 
 def build_model(config: VoiceChatConfig, device: torch.device | str = "meta",
@@ -231,7 +246,17 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
                dtype: torch.dtype | None = None, weights: str = "auto", *, prepare: bool = True) -> VoiceChatModel:
     """Load a NemotronLabs VoiceChat checkpoint (local folder or Hub repo id) for inference.
 
-    ``device``: None = mps > cuda > cpu. ``dtype``: None = float32 on cpu, bfloat16 on cuda/mps.
+    ``device``: None = mps > cuda > cpu. ``dtype`` picks the mode:
+
+    * None (default), the faithful mode: every weight keeps its stored dtype, and each op computes in
+      the dtype the MLX reference computes it in (float32 activations almost everywhere, bf16
+      arithmetic in the few places it uses it). A bf16-stored checkpoint then gives the reference's
+      discrete outputs exactly.
+    * ``torch.float32``: every weight upcast to float32 (twice the memory of bf16 weights), float32
+      arithmetic everywhere, as the reference computes a float32-stored checkpoint.
+    * ``torch.bfloat16`` / ``torch.float16``, the fast mode: weights and activations in that dtype.
+      Not bit-faithful: near-ties flip (see docs/parity.md for how often).
+
     ``weights``: "packed" keeps the checkpoint's quantized matrices packed (4-bit: 8.6 GB instead of
     22 GB); "dequantized" expands them to ``dtype``; "auto" keeps them packed when the checkpoint is
     quantized. ``prepare``: apply the speed-up transforms (:meth:`VoiceChatModel.prepare`); pass
@@ -242,6 +267,8 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     folder = resolve_checkpoint(path_or_repo_id)
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be None (faithful), torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     with Checkpoint(folder) as ckpt:
         quantized = ckpt.quantized_modules()
         packed = quantized if weights in ("auto", "packed") else {}
@@ -256,6 +283,10 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
         if missing:
             raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs, "
                                   f"e.g. {', '.join(missing[:5])}")
+    for module in model.modules():  # MLX dequantizes to the scales' dtype
+        if dtype is None and isinstance(module, QuantizedEmbedding) and module.scales.is_floating_point():
+            module.output_dtype = module.scales.dtype
+    model.set_activation_dtype(torch.float32 if dtype is None else dtype)
     model.init_constants(device)
     model.eval().requires_grad_(False)
     model.source = str(path_or_repo_id)

@@ -6,8 +6,8 @@ served by :func:`fused_input` and :func:`language_heads`.
 
 Dtype policy (the MLX reference's promotion rules, parity traps 5-7). Activations are never
 cast to a "model dtype": every op runs in the promoted dtype of its operands, as in MLX, so
-fp32 inputs with bf16 weights run in fp32 (plain ``nn.Linear`` needs weights in the activation
-dtype; the packed ``QuantizedLinear`` dequantizes to it), and bf16 inputs with bf16 weights
+fp32 inputs with bf16 weights run in fp32 (:class:`~nvchat_torch.layers.Linear` promotes; the
+packed ``QuantizedLinear`` dequantizes to the activation dtype), and bf16 inputs with bf16 weights
 run in bf16.
 
 * SSM state: always float32 (``dt`` is computed in float32, so the state update is).
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
+from .layers import Linear
 from .quant import QuantizedLinear, concat_linears
 
 __all__ = [
@@ -228,7 +229,7 @@ class NemotronHMamba2Mixer(nn.Module):
         # The reference clips dt to time_step_limit; the default (0, inf) cannot change softplus's output.
         self.dt_min = lo if lo > 0.0 else None
         self.dt_max = hi if math.isfinite(hi) else None
-        self.in_proj = nn.Linear(config.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
+        self.in_proj = Linear(config.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
                                  bias=config.mamba_proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 bias=config.use_conv_bias)
@@ -236,7 +237,7 @@ class NemotronHMamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.n_groups, config.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj = Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
         self.register_buffer("A", None, persistent=False)  # -exp(A_log), set by fuse()
         self.init_constants()
 
@@ -272,7 +273,7 @@ class NemotronHMamba2Mixer(nn.Module):
                 self.in_proj = QuantizedLinear(old.in_features, stored.shape[0], old.bias is not None, old.spec,
                                                old.scales.dtype, device)
             else:
-                self.in_proj = nn.Linear(old.in_features, stored.shape[0], bias=old.bias is not None,
+                self.in_proj = Linear(old.in_features, stored.shape[0], bias=old.bias is not None,
                                          device=device, dtype=old.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -363,10 +364,10 @@ class NemotronHAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.qkv_proj: nn.Module | None = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -402,8 +403,8 @@ class NemotronHAttention(nn.Module):
 class NemotronHMLP(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())

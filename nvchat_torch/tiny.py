@@ -17,10 +17,17 @@ import torch
 
 from .config import FULL_SIZE_TEXT_CONFIG
 
-__all__ = ["SPECIAL_TOKENS", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer", "write_tokenizer",
-           "random_model", "load_tiny_model", "save_checkpoint"]
+__all__ = ["SPECIAL_TOKENS", "special_tokens", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer",
+           "write_tokenizer", "random_model", "load_tiny_model", "save_checkpoint"]
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 21)]  # 11 silence, 12 pad
+
+def special_tokens(count: int = 21) -> list[str]:
+    """``<unk>``, ``<s>``, ``</s>``, then ``<SPECIAL_3>`` .. ``<SPECIAL_{count - 1}>`` (11 silence, 12 pad,
+    20 start of a tool call); 23 adds the tool-call markers ``<SPECIAL_21>`` and ``<SPECIAL_22>``."""
+    return ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, count)]
+
+
+SPECIAL_TOKENS = special_tokens(21)
 WORDS = ["hello", "the", "world", "voice", "chat", "you", "are", "helpful",
          "assistant", "nemotron", "speak", "in", "and", "to"]
 RNNT_VOCABULARY = ["<unk>", "<en-US>"] + [f"\u2581{w}" for w in WORDS] + list("abcdehlnorstuw")
@@ -90,12 +97,13 @@ def tiny_config_dict(preset: str = "tiny", *, hidden: int = 64, vocab: int = 320
     }
 
 
-def build_tokenizer(size: int = 300):
-    """A byte-level BPE ``tokenizers.Tokenizer``: ids 0..20 specials, 21..276 the 256 byte
+def build_tokenizer(size: int = 300, specials: int = 21):
+    """A byte-level BPE ``tokenizers.Tokenizer``: ids 0..specials-1 special tokens, then the 256 byte
     characters (so the character encoder has its 256 + 1 characters), then merges of WORDS."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    special = special_tokens(specials)
+    vocab = {t: i for i, t in enumerate(special)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
     merges = []
@@ -113,7 +121,7 @@ def build_tokenizer(size: int = 300):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return tok
 
 
@@ -125,13 +133,13 @@ TOKENIZER_CONFIG = {
 SPECIAL_TOKENS_MAP = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<SPECIAL_12>"}
 
 
-def write_tokenizer(folder: Path, size: int = 300) -> dict[str, int]:
+def write_tokenizer(folder: Path, size: int = 300, specials: int = 21) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the vocabulary."""
     import json
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(size)
+    tok = build_tokenizer(size, specials)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS_MAP, indent=2) + "\n")
@@ -241,6 +249,7 @@ def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     model = random_model(preset, seed).to(device=device, dtype=dtype)  # made on the CPU: same weights anywhere
+    model.set_activation_dtype(dtype or torch.float32)
     model.init_constants(device)
     return model.prepare() if prepare else model
 

@@ -16,7 +16,6 @@ that fills the key/value caches. Nothing in a step reads a tensor on the host.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,6 +26,7 @@ from torch import nn
 
 from .codec import Codec
 from .config import CharacterEncoderConfig, CodecConfig, MoGConfig, TTSConfig
+from .layers import REDUCED, Linear, gelu_tanh, matmul, promoted, scalar, sigmoid
 from .nemotron_h import grown_capacity
 from .quant import concat_linears
 
@@ -80,21 +80,23 @@ class RMSNorm(nn.Module):
         self.register_buffer("scale", None, persistent=False)  # ``1 + weight``, set by fuse()
 
     def offset_weight(self) -> torch.Tensor:
+        """``1 + weight``: Gemma adds in the weight's dtype (bf16 weights: a bf16 sum, then promoted);
+        the offset norms add in float32."""
         if self.scale is not None:
             return self.scale
         return 1.0 + (self.weight.float() if self.fp32 else self.weight)
 
-    def fuse(self) -> None:
-        """Precompute ``1 + weight``, in the weight dtype: in a float32 model that is the float32 of the
-        fp32 variant; in a bf16/fp16 one the fp32 variant then runs as one fused kernel, its only
-        difference from the reference being ``1 + w`` rounded to that dtype (under one ulp)."""
-        self.scale = self.offset_weight().detach().to(self.weight.dtype)
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
+        """Precompute ``1 + weight`` for activations of ``dtype``: the same values, stored in the dtype
+        they are used in (float32, or in the fast mode's bf16 the Gemma norm's own sum)."""
+        scale = self.offset_weight().detach()
+        self.scale = scale.to(torch.promote_types(scale.dtype, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.offset_weight()
-        if self.fp32 and weight.dtype != x.dtype:
+        if self.fp32 and x.dtype != torch.float32:  # the offset norms compute in float32 and round once
             return F.rms_norm(x.float(), self.weight.shape, weight.float(), self.eps).to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, weight.to(promoted(x, weight)), self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -102,12 +104,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
         self.gate_up_proj: nn.Module | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
         if self.gate_up_proj is None:
             self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
@@ -117,7 +119,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh(gate) * up)
 
 
 class Rotary(nn.Module):
@@ -171,6 +173,8 @@ class Rotary(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [..., L, heads, dim]`` with ``cos, sin [L, 1, dim]`` (or broadcastable)."""
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        if x.dtype in REDUCED:  # MLX rotates bf16 with bf16 tables, rounding every product and the sum
+            return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
         return torch.addcmul(x * cos, swapped, sin).to(x.dtype)  # float32 tables: one rounding
 
 
@@ -184,13 +188,13 @@ class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
-        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
+        self.q_proj = Linear(dim, heads * head_dim, bias=False)
+        self.k_proj = Linear(dim, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(dim, kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(heads * head_dim, dim, bias=False)
         self.qkv_proj: nn.Module | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
         if self.qkv_proj is None:
             self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
             del self.q_proj, self.k_proj, self.v_proj
@@ -288,8 +292,10 @@ class GemmaAttention(_Attention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.register_buffer("qk_scale", None, persistent=False)  # set by fuse()
 
-    def fuse(self) -> None:
-        super().fuse()
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
+        super().fuse(dtype)
+        for norm in (self.q_norm, self.k_norm):
+            norm.fuse(dtype)
         self.qk_scale = self.qk_norm_weight().detach()
 
     def qk_norm_weight(self) -> torch.Tensor:
@@ -366,11 +372,11 @@ class GemmaBackbone(nn.Module):
         for rope in (self.rope_local, self.rope_global):
             rope.init_constants(rope.cos.device, positions)
 
-    def new_cache(self) -> TTSCache:
-        """An empty cache (two rows: conditional, unconditional) in the model's dtype and device."""
+    def new_cache(self, dtype: torch.dtype = torch.float32) -> TTSCache:
+        """An empty cache (two rows: conditional, unconditional) for activations of ``dtype``."""
         attn = self.layers[0].self_attn
         like = self.norm.weight
-        empty = [like.new_zeros(2, attn.n_kv_heads, 0, attn.head_dim) for _ in range(2 * len(self.layers))]
+        empty = [like.new_zeros(2, attn.n_kv_heads, 0, attn.head_dim, dtype=dtype) for _ in range(2 * len(self.layers))]
         windows = [self.window if layer.sliding else None for layer in self.layers]
         return TTSCache(empty[::2], empty[1::2], windows, limit=self.max_positions)
 
@@ -427,10 +433,13 @@ class CharEncoderAttention(_Attention):
         if self.n_heads != self.n_kv_heads:
             repeats = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (self.scale / self.softcap)) * self.softcap
+        # The reference's op sequence, each op rounded in a bf16 encoder: scale, / cap, tanh, * cap.
+        dt = q.dtype
+        scores = matmul(q, k.transpose(-1, -2)) * scalar(self.scale, dt)
+        scores = torch.tanh(scores / scalar(self.softcap, dt)) * scalar(self.softcap, dt)
         scores = torch.where(valid[:, None, None, :], scores, MASKED_SCORE)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        return self.output(torch.matmul(probs, v))
+        return self.output(matmul(probs, v))
 
 
 class CharEncoderLayer(nn.Module):
@@ -464,12 +473,6 @@ class CharEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, length, cos, sin, valid)
         return self.norm(x)
-
-
-@functools.lru_cache(maxsize=None)
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype``, as a Python float (a CPU computation, once per dtype)."""
-    return torch.tensor(value, dtype=dtype).item()
 
 
 def _flag_rows(table: torch.Tensor, oov: torch.Tensor, ids: torch.Tensor, first_oov: int) -> torch.Tensor:
@@ -523,7 +526,7 @@ class CharAwareSubwordEncoder(nn.Module):
         self.backbone = nn.Module()  # checkpoint nesting: backbone.encoder
         self.backbone.encoder = CharEncoder(config)
         self.embed_tokens = nn.Embedding(config.char_vocab_size, config.hidden_size)
-        self.proj_embedding = nn.Linear(config.hidden_size, out_size, bias=False)
+        self.proj_embedding = Linear(config.hidden_size, out_size, bias=False)
         self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, config.hidden_size)
         self.bos_eos_emb = BOSEOSEmbedding(vocab_size, config.hidden_size)
         self.pad_char = config.char_vocab_size - 1
@@ -564,7 +567,7 @@ class CharAwareSubwordEncoder(nn.Module):
         count, width = chars.shape
         valid = chars != self.pad_char
         x = self.embed_tokens(chars.int().flatten())
-        x = x * _rounded(self.scale, x.dtype)
+        x = x * scalar(self.scale, x.dtype)
         cos, sin = self.rope.table(0, width)
         hidden = self.backbone.encoder(x, count, width, cos[:, None], sin[:, None], valid)
         pooled = (hidden.view(count, width, -1) * valid[..., None]).sum(1)
@@ -582,22 +585,24 @@ class GatedFusion(nn.Module):
     def __init__(self, hidden_size: int, num_codebooks: int, eps: float):
         super().__init__()
         self.num_codebooks = num_codebooks
-        self.audio_proj = nn.Linear(hidden_size, hidden_size)
-        self.text_proj = nn.Linear(hidden_size, hidden_size)
+        self.audio_proj = Linear(hidden_size, hidden_size)
+        self.text_proj = Linear(hidden_size, hidden_size)
         self.gate = nn.Parameter(torch.zeros(hidden_size))
         self.residual_scale = nn.Parameter(torch.tensor(0.5))
         self.final_norm = RMSNorm(hidden_size, eps, fp32=True)
         self.register_buffer("mixing", None, persistent=False)  # set by fuse(): see _mixing()
 
     def _mixing(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``g``, ``1 - g`` and ``s`` (computed in the weight dtype, then cast to the activations')."""
+        """``g``, ``1 - g`` and ``s``: the sigmoids in the parameters' dtype (bf16 arithmetic for bf16
+        weights), then cast to the activations' ``dtype``, where ``1 - g`` is formed."""
         if self.mixing is not None:
             return self.mixing[0], self.mixing[1], self.mixing[2, 0]
-        gate = torch.sigmoid(self.gate).to(dtype)
-        return gate, 1.0 - gate, torch.sigmoid(self.residual_scale).to(dtype)
+        gate = sigmoid(self.gate).to(dtype)
+        return gate, 1.0 - gate, sigmoid(self.residual_scale).to(dtype)
 
-    def fuse(self) -> None:
-        gate, keep, scale = self._mixing(self.audio_proj.weight.dtype)
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
+        self.final_norm.fuse(dtype)
+        gate, keep, scale = self._mixing(dtype)
         self.mixing = torch.stack([gate, keep, scale.expand_as(gate)]).detach()
 
     def forward(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -655,14 +660,14 @@ class MoGHead(nn.Module):
         self.mlp_stack = nn.ModuleList(
             [MoGLayer(hidden_size, config.intermediate_size, config.eps) for _ in range(config.num_layers)]
             + [RMSNorm(hidden_size, config.eps, fp32=True)])
-        self.proj_logits = nn.Linear(hidden_size, config.num_predictions, bias=False)
-        self.proj_mus = nn.Linear(hidden_size, config.num_predictions * config.low_rank, bias=False)
-        self.proj_logs = nn.Linear(hidden_size, 1, bias=False)
-        self.proj_else = nn.Linear(hidden_size, out_size, bias=False)
+        self.proj_logits = Linear(hidden_size, config.num_predictions, bias=False)
+        self.proj_mus = Linear(hidden_size, config.num_predictions * config.low_rank, bias=False)
+        self.proj_logs = Linear(hidden_size, 1, bias=False)
+        self.proj_else = Linear(hidden_size, out_size, bias=False)
         self.low_mat = nn.Parameter(torch.zeros(config.num_predictions, out_size, config.low_rank))
         self.proj_heads: nn.Module | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
         if self.proj_heads is None:
             self.proj_heads = concat_linears([self.proj_logits, self.proj_logs, self.proj_else])
             del self.proj_logits, self.proj_logs, self.proj_else
@@ -685,6 +690,7 @@ class MoGHead(nn.Module):
             component = sample_component(logits, top_p, generator)
         mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1).index_select(0, component)
         low = self.low_mat.index_select(0, component)
+        mus, low = mus.to(promoted(x, mus)), low.to(promoted(x, low))  # stored-dtype rows: promoted, as MLX
         mean = torch.matmul(low, torch.matmul(mus, x[..., None]))  # [1, out, 1]
         std = log_std.clamp(min=self.min_log_std).exp()
         return torch.addcmul(rest, mean.view(1, -1), std), std
@@ -720,6 +726,12 @@ def _draw_schedule(config: TTSConfig) -> list[tuple[int, int]]:
     return draws
 
 
+def _squared_norms(books: torch.Tensor) -> torch.Tensor:
+    """``sum(e * e)`` per codebook row as the reference forms it in the codebooks' dtype (bf16: rounded
+    products, float32 accumulation, one rounding), returned in float32."""
+    return (books * books).sum(-1, dtype=torch.float32).to(books.dtype).float()
+
+
 class EarTTS(nn.Module):
     """EAR-TTS (``tts_model.tts_model``): previous codes + current text id -> the next 31 codes.
 
@@ -735,7 +747,7 @@ class EarTTS(nn.Module):
         self.backbone = GemmaBackbone(config)
         self.bos_emb = nn.Parameter(torch.zeros(hidden))
         self.null_emb = nn.Parameter(torch.zeros(hidden))
-        self.embed_code = nn.Linear(latent, hidden, bias=False)
+        self.embed_code = Linear(latent, hidden, bias=False)
         self.embed_subword = CharAwareSubwordEncoder(config.character_encoder, hidden)
         self.gated_fusion_audio_text = GatedFusion(hidden, config.num_quantizers, config.rms_norm_eps)
         # Projects prompt codes when no speaker latents are given; the reference always gives them.
@@ -746,6 +758,9 @@ class EarTTS(nn.Module):
         # Set by fuse(): the codebooks in float32 (the parameter itself in a float32 model) and their squared norms.
         self.register_buffer("rvq_float", None, persistent=False)
         self.register_buffer("rvq_sq_norms", None, persistent=False)
+        # The reference runs the backbone, MoG head and distances in float32 whatever the weights'
+        # dtype (its float32 code sums promote them); the opt-in fast mode sets bf16/fp16 here.
+        self.activation_dtype = torch.float32
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -760,24 +775,24 @@ class EarTTS(nn.Module):
         self.embed_subword.set_vocabulary(vocabulary)
 
     def new_cache(self) -> TTSCache:
-        return self.backbone.new_cache()
+        return self.backbone.new_cache(self.activation_dtype)
 
     def fuse(self) -> None:
         """Merge q/k/v, gate/up and the MoG heads into single matmuls, precompute the norms' ``1 + w``
-        and the fusion gates, keep the codebooks in float32 with their squared norms. Outputs are unchanged.
-        Apply after loading (and after any ``.to()``)."""
+        and the fusion gates in the activation dtype, keep the codebooks in float32 with their squared
+        norms. Outputs are unchanged. Apply after loading (and after any ``.to()``)."""
         for module in list(self.modules()):
             if module is not self and hasattr(module, "fuse"):
-                module.fuse()
+                module.fuse(self.activation_dtype)
         # float32 codebooks with a zero row for the mask code appended (the depth sum is then a plain
-        # gather + sum); a float32 parameter becomes a view of it, so there is one copy.
+        # gather + sum). The parameter becomes a view of it, so there is one copy: bf16 codebooks are
+        # stored upcast (exactly; 2 more bytes per entry, 33 MB at full size).
         books = self.rvq_embs.detach()
         padded = books.new_zeros(books.shape[0], books.shape[1] + 1, books.shape[2], dtype=torch.float32)
         padded[:, :-1] = books
-        if books.dtype == torch.float32:
-            self.rvq_embs.data = padded[:, :-1]
+        self.rvq_sq_norms = _squared_norms(books)
+        self.rvq_embs.data = padded[:, :-1]
         self.rvq_float = padded
-        self.rvq_sq_norms = padded[:, :-1].square().sum(-1)
 
     # ---- inputs
 
@@ -807,7 +822,7 @@ class EarTTS(nn.Module):
         _check_shape("prompt.latents", prompt.latents, (1, F_, H))
         for name in ("subword_ids", "subword_mask", "audio_mask"):
             _check_shape(f"prompt.{name}", getattr(prompt, name), (1, F_))
-        dtype = self.embed_code.weight.dtype
+        dtype = self.activation_dtype
         shifted = torch.cat([torch.zeros_like(prompt.codes[:, :1]), prompt.codes[:, :-1]], dim=1)
         code_embed = self.embed_code(self.depth_sum(shifted).to(dtype))
         audio = prompt.audio_mask
@@ -823,7 +838,7 @@ class EarTTS(nn.Module):
         """Previous codes ``[1, 1, Q]`` and this step's text id ``[1]`` -> hidden ``[2, 1, H]``."""
         _check_shape("prev_codes", prev_codes, (1, 1, self.config.num_quantizers), integer=True)
         _check_shape("text_id", text_id, (1,), integer=True)
-        code_embed = self.embed_code(self.depth_sum(prev_codes.view(1, -1)).to(self.embed_code.weight.dtype))
+        code_embed = self.embed_code(self.depth_sum(prev_codes.view(1, -1)).to(self.activation_dtype))
         text = self.embed_subword(text_id.view(1, 1)).view(1, -1)
         return self.backbone.forward_step(self._fuse_inputs(code_embed, text).view(2, 1, -1), cache)
 
@@ -842,15 +857,14 @@ class EarTTS(nn.Module):
         _check_shape("hidden", hidden, (2, 1, config.hidden_size))
         books, sq_norms = (None, None) if self.rvq_float is None else (self.rvq_float[:, :-1], self.rvq_sq_norms)
         if books is None:
-            books = self.rvq_embs.float()
-            sq_norms = books.square().sum(-1)
+            books, sq_norms = self.rvq_embs.float(), _squared_norms(self.rvq_embs)
         hidden = hidden.view(2, -1)
         decided: torch.Tensor | None = None  # float32 [1, latent]: sum of the chosen codebook rows
         picked: list[torch.Tensor] = []
         for draw, (start, count) in enumerate(self.schedule):
             x = hidden
             if decided is not None:  # hidden + embed_code(decided), both rows, as one addmm
-                x = torch.addmm(hidden, decided.to(hidden.dtype).expand(2, -1), self.embed_code.weight.t())
+                x = torch.addmm(hidden, decided.to(hidden.dtype).expand(2, -1), self.embed_code.weight.to(hidden.dtype).t())
             mean, std = self.mog_head(x, config.guidance_scale, config.top_p, generator, deterministic)
             residual = mean.float()
             if not deterministic and config.noise_scale > 0:
