@@ -6,8 +6,9 @@
 
 Streams ``--frames`` 80 ms frames of varied audio (tone bursts, chirps, noise and silence, changing
 every few seconds, made chunk by chunk) through one streaming session, one frame per
-``push_audio``, and prints per window of ``--window`` frames: the median and p95 frame time, the
-process RSS, and the bytes of the two caches that grow with the session (LLM key/values, TTS
+``push_audio``, and prints per window of ``--window`` frames: the median and p95 frame time (wall
+clock), the median CPU time of the process per frame (what the frame itself cost, which other
+processes on a shared machine do not inflate as they do the wall clock), the process RSS, and the bytes of the two caches that grow with the session (LLM key/values, TTS
 key/values). Without ``--model`` it uses the tiny 4-bit checkpoint of ``benchmarks.frame_loop``.
 """
 
@@ -88,29 +89,32 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--frames {args.frames} is past the session's limit of {session.max_frames} frames")
     print(f"{model.describe()}\n{args.frames} frames ({args.frames * 0.08 / 60:.1f} min), windows of {args.window}; "
           f"session limit {session.max_frames} frames ({session.max_seconds / 60:.1f} min)")
-    print(f"{'frames':>13} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} {'RSS MB':>8} {'LLM KV MB':>10} "
-          f"{'TTS KV MB':>10}")
-    windows, times = [], []
+    print(f"{'frames':>13} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} {'CPU ms':>7} {'RSS MB':>8} "
+          f"{'LLM KV MB':>10} {'TTS KV MB':>10}")
+    windows, times, cpu = [], [], []
     for i, chunk in enumerate(varied_audio(args.frames)):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         session.push_audio(chunk, SR)
         if device.type == "mps":
             torch.mps.synchronize()
         times.append((time.perf_counter() - start) * 1000.0)
+        cpu.append((time.process_time() - start_cpu) * 1000.0)
         if len(times) == args.window or i == args.frames - 1:
             ms = np.asarray(times)
             caches = session.cache_bytes()
             row = {"first_frame": i + 1 - len(times), "last_frame": i, "median_ms": percentile(ms, 0.5),
-                   "p95_ms": percentile(ms, 0.95), "max_ms": float(ms.max()), "rss_mb": rss_mb(),
+                   "p95_ms": percentile(ms, 0.95), "max_ms": float(ms.max()),
+                   "median_cpu_ms": percentile(np.asarray(cpu), 0.5), "rss_mb": rss_mb(),
                    "language_cache_bytes": caches["language"], "tts_cache_bytes": caches["tts"]}
             windows.append(row)
             print(f"{row['first_frame']:>6}-{row['last_frame']:<6} {row['median_ms']:>10.2f} {row['p95_ms']:>8.2f} "
-                  f"{row['max_ms']:>8.1f} {row['rss_mb']:>8.1f} {caches['language'] / 2**20:>10.2f} "
-                  f"{caches['tts'] / 2**20:>10.2f}")
-            times = []
+                  f"{row['max_ms']:>8.1f} {row['median_cpu_ms']:>7.2f} {row['rss_mb']:>8.1f} "
+                  f"{caches['language'] / 2**20:>10.2f} {caches['tts'] / 2**20:>10.2f}")
+            times, cpu = [], []
     session.flush()
     first, last = windows[min(1, len(windows) - 1)], windows[-1]
-    print(f"last window / second window median: {last['median_ms'] / first['median_ms']:.2f}x; "
+    print(f"last window / second window median: {last['median_ms'] / first['median_ms']:.2f}x wall, "
+          f"{last['median_cpu_ms'] / first['median_cpu_ms']:.2f}x CPU; "
           f"RSS {last['rss_mb'] - windows[0]['rss_mb']:+.1f} MB since the first window")
     report = {"model": model.describe(), "device": str(device), "frames": args.frames, "window": args.window,
               "machine": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
