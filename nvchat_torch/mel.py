@@ -21,6 +21,8 @@ from .config import PreprocessorConfig
 
 __all__ = ["LogMel", "MelCache", "slaney_mel_filterbank"]
 
+OFFLINE_CHUNK = 4096  # mel frames per piece of an offline pass (41 s of audio)
+
 
 def _hz_to_slaney_mel(hz: float) -> float:
     """Slaney's mel scale: linear below 1 kHz (200/3 Hz per mel), logarithmic above."""
@@ -151,7 +153,12 @@ class LogMel(nn.Module):
                              f"(reflect padding needs at least {pad + 1})")
         y = self._preemphasize(audio)
         padded = torch.cat([y[1:pad + 1].flip(0), y, y[-pad - 1:-1].flip(0)])
-        return self._log_mel(padded, 0, audio.shape[0] // self.hop + 1)
+        count = audio.shape[0] // self.hop + 1
+        if count <= OFFLINE_CHUNK:
+            return self._log_mel(padded, 0, count)
+        # Frames are independent: pieces keep the [frames, n_fft] windows and spectra of long audio small.
+        return torch.cat([self._log_mel(padded, first * self.hop, min(OFFLINE_CHUNK, count - first))
+                          for first in range(0, count, OFFLINE_CHUNK)], dim=1)
 
     # ---- streaming
 

@@ -326,3 +326,16 @@ def test_codec_decode_in_pieces_equals_one_pass(tiny):
         assert whole.shape == (1, 1, 300 * 1764)
         for chunk in (1, 7, 256):
             torch.testing.assert_close(codec.decode(codes, chunk=chunk), whole, atol=1e-5, rtol=0)
+
+
+def test_offline_log_mel_in_pieces_equals_one_pass(tiny, monkeypatch):
+    import nvchat_torch.mel as mel
+
+    log_mel = tiny.stt_model.perception.log_mel
+    wave = torch.from_numpy(np.concatenate([synth_audio(8.0, seed=s) for s in range(3)]))
+    with torch.inference_mode():
+        monkeypatch.setattr(mel, "OFFLINE_CHUNK", 10**9)
+        whole = log_mel(wave)
+        assert whole.shape[1] == 2401
+        monkeypatch.setattr(mel, "OFFLINE_CHUNK", 333)
+        torch.testing.assert_close(log_mel(wave), whole, atol=1e-5, rtol=0)
