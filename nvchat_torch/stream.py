@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     _print_events(new, i + 1, total)
         except nv.ContextLimit as e:
             print(f"\nstopped: {e}", file=sys.stderr)
-            events += session.flush(pad_partial=False)
+            events += e.events + session.flush(pad_partial=False)  # the frames of that push that ran
         chunks = [e.samples for e in events if e.kind == "audio"]
         audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         text, function_text, transcript = session.text, session.function_text, session.user_transcript

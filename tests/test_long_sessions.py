@@ -339,3 +339,22 @@ def test_offline_log_mel_in_pieces_equals_one_pass(tiny, monkeypatch):
         assert whole.shape[1] == 2401
         monkeypatch.setattr(mel, "OFFLINE_CHUNK", 333)
         torch.testing.assert_close(log_mel(wave), whole, atol=1e-5, rtol=0)
+
+
+def test_the_command_line_keeps_the_frames_that_ran_before_the_limit(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import soundfile as sf
+
+    out = tmp_path / "answer.wav"
+    audio = tmp_path / "question.wav"
+    sf.write(audio, synth_audio(1.0), 16000)
+    proc = subprocess.run([sys.executable, "-m", "nvchat_torch.stream", "--audio", str(audio), "--output-audio",
+                           str(out), "--max-streaming-seconds", "0.4", "--quiet"], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped: the session reached max_streaming_seconds=0.4" in proc.stderr
+    assert len(sf.read(out)[0]) == 5 * 1764  # every frame up to the limit, including those of the last push
