@@ -116,7 +116,7 @@ class VoiceChatModel(nn.Module):
         self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
         if int4:
             pack_int4(self, dtype=self.dtype)
-        return self
+        return self.requires_grad_(False)  # the fused modules' new parameters too
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer

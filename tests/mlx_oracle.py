@@ -23,8 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from nvchat_torch.config import FULL_SIZE_TEXT_CONFIG as REAL_TEXT_CONFIG
 from nvchat_torch.tiny import RNNT_VOCABULARY as RNNT_VOCAB
-from nvchat_torch.tiny import SPECIAL_TOKENS as SPECIALS
-from nvchat_torch.tiny import tiny_config_dict, write_tokenizer
+from nvchat_torch.tiny import special_tokens, tiny_config_dict, write_tokenizer
 
 VOCAB_MODULES = ("stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
 
@@ -37,7 +36,10 @@ class TinySpec:
     bits: int | None = None
     mode: str = "affine"
     group_size: int = 64
-    dtype: str = "float32"  # of every float tensor (and of scales/biases)
+    dtype: str = "float32"  # of every float tensor (and of scales/biases, unless scales_dtype says otherwise)
+    # "float32": quantize from float32 weights and keep the scales/biases float32, everything else in
+    # ``dtype``: the layout of the real 4-bit and 8-bit cards (their sizes fit float32 scales).
+    scales_dtype: str = "same"
     preset: str = "tiny"  # "deep": tiny widths, real depths
     pattern: str = "M-M*-MM-"
     hidden: int = 64
@@ -48,6 +50,7 @@ class TinySpec:
     control_codes: tuple[int, ...] = (8, 1020, 1023)
     rnnt_blank_boost: float = 2.0
     conformer_bias: bool = False
+    specials: int = 21  # 23: the tokenizer has the tool-call markers <SPECIAL_20..22>
 
     def key(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True, default=str)
@@ -103,8 +106,9 @@ def _randomize(model, seed: int, tok_vocab: dict, spec: TinySpec) -> None:
     tts = model.tts_model
     sub = tts.tts_model.embed_subword
     cont = np.zeros(sub.subword_flag_emb.is_continuation.shape, np.int32)
+    specials = set(special_tokens(spec.specials))
     for tok, idx in tok_vocab.items():
-        if tok not in SPECIALS and not tok.startswith("\u0120"):
+        if tok not in specials and not tok.startswith("\u0120"):
             cont[idx] = 1
     sub.subword_flag_emb.is_continuation = mx.array(cont)
     flags = np.zeros(sub.bos_eos_emb.special_flags.shape, np.int32)
@@ -202,17 +206,21 @@ def build_tiny_checkpoint(out: Path, spec: TinySpec) -> Path:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok_vocab = write_tokenizer(out, spec.tokenizer_size)
+    tok_vocab = write_tokenizer(out, spec.tokenizer_size, spec.specials)
     config = tiny_config(spec)
     mx.random.seed(spec.seed)
     model = Model(ModelConfig.from_dict(config))
     _randomize(model, spec.seed, tok_vocab, spec)
-    if spec.dtype != "float32":
-        dt = getattr(mx, spec.dtype)
-        cast = model.cast_predicate
+    def cast_floats(skip_scales: bool) -> None:
+        dt, cast = getattr(mx, spec.dtype), model.cast_predicate
         model.update(tree_unflatten([
-            (k, v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v)
+            (k, v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating)
+             and not (skip_scales and k.endswith((".scales", ".biases"))) else v)
             for k, v in tree_flatten(model.parameters())]))
+
+    scales_f32 = spec.scales_dtype == "float32" and spec.dtype != "float32" and spec.bits is not None
+    if spec.dtype != "float32" and not scales_f32:
+        cast_floats(skip_scales=False)
     if spec.bits is not None:
         def predicate(path, module):
             if path in spec.overrides:
@@ -220,6 +228,8 @@ def build_tiny_checkpoint(out: Path, spec: TinySpec) -> Path:
             return path.startswith("stt_model.llm.") or path in VOCAB_MODULES
         model, config = quantize_model(model, config, spec.group_size, spec.bits, mode=spec.mode,
                                        quant_predicate=predicate)
+    if scales_f32:
+        cast_floats(skip_scales=True)
     params = dict(tree_flatten(model.parameters()))
     rng = np.random.default_rng(spec.seed + 1)
 
