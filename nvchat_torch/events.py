@@ -134,7 +134,8 @@ class TokenAccumulator:
 
     The cumulative decode is kept incrementally, as LLM servers' streaming detokenizers do: only a
     small tail window of tokens is decoded per token (the ones since the last stable point, plus
-    the window before them for context), so a token costs O(1) however long the session. ``text``
+    the window before them for context), so a token's decoding costs the same however long the
+    session (what grows is only the copy of the cumulative text each event carries). ``text``
     equals ``tokenizer.decode(tokens)`` at every step: a window that does not extend its prefix's
     decode (a tokenizer cleaning up across the boundary) falls back to one full decode.
     """
@@ -149,6 +150,7 @@ class TokenAccumulator:
         self._prefix = 0  # tokens[prefix:read] is the context window before the undecided tail
         self._read = 0  # tokens[:read] decode to self._stable
         self._stable = ""
+        self._piece = ""  # text = stable + piece
         self._prefix_text = ""  # decode(tokens[prefix:read])
 
     def _decode(self, ids: list[int]) -> str:
@@ -160,19 +162,24 @@ class TokenAccumulator:
         self.tokens.append(token_id)
         window = self._decode(self.tokens[self._prefix:])
         if window.startswith(self._prefix_text):
-            updated = self._stable + window[len(self._prefix_text):]
+            piece = window[len(self._prefix_text):]
+            updated = self._stable + piece
+            extends = piece.startswith(self._piece)  # text is stable + piece: compare the tails only
             settle = not updated.endswith("\ufffd") or len(self.tokens) - self._read >= self.MAX_TAIL
         else:  # the new token changed text before the window: decode everything once
             updated = self._decode(self.tokens)
+            extends = updated.startswith(self.text)
             settle = True
-        if settle:
-            self._stable = updated
-            self._prefix, self._read = self._read, len(self.tokens)
-            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        if updated.startswith(self.text):
+        if extends:
             delta = updated[len(self.text):]
         else:  # a tokenizer may revise a partial multi-byte sequence; the cumulative text stays authoritative
             delta = self._decode([token_id])
+        if settle:
+            self._stable, self._piece = updated, ""
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
+        else:
+            self._piece = piece
         self.text = updated
         return delta, updated
 
