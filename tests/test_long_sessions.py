@@ -160,6 +160,8 @@ def test_default_limit_comes_from_the_models_context_and_ends_cleanly():
     assert [e.kind for e in session.flush()] == ["done"]  # past the limit the partial frame is dropped
     assert session.closed and session.flush() == []
     assert backbone.rope_global.cos.data_ptr() == tables  # no shared state changed by the session
+    with pytest.raises(ValueError, match="leaves no room in the model's context of 64 positions"):
+        model.create_streaming_session(nv.StreamingOptions(system_prompt="x" * 70))
 
 
 def test_a_shorter_max_streaming_seconds_wins(tiny):
