@@ -166,7 +166,36 @@ class Checkpoint:
         except Exception as e:
             raise CheckpointError(f"{self.folder / name}: cannot read '{key}': {e}") from None
 
+    def stored_dtype(self, key: str) -> str:
+        """The dtype ``key`` is stored in, as safetensors names it (``F32``, ``BF16``, ``U32``...), read from the header."""
+        return self._handles[self.key_to_file[key]].get_slice(key).get_dtype()
+
     # ---- structure
+    def layout(self) -> str:
+        """The storage layout in words: what is packed, in which mode and with which scale dtype, and
+        the dtype(s) of every other floating tensor, weighted by size (the mode the port computes in
+        depends on it; see docs/parity.md)."""
+        names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "U8": "uint8"}
+        quantized = self.quantized_modules()
+        packed = {f"{p}.{n}" for p in quantized for n in ("weight", "scales", "biases")}
+        parts = []
+        if quantized:
+            specs = sorted({f"{s.mode} {s.bits}-bit (group {s.group_size})" for s in quantized.values()})
+            scales = sorted({names.get(self.stored_dtype(f"{p}.scales"), "?") for p in quantized})
+            parts.append(f"{len(quantized)} matrices packed {', '.join(specs)} with {'/'.join(scales)} scales")
+        sizes: dict[str, int] = {}
+        for key in self.keys():
+            dtype = self.stored_dtype(key)
+            if key not in packed and dtype in ("F32", "BF16", "F16"):
+                n = 1
+                for d in self.shape(key):
+                    n *= d
+                sizes[names[dtype]] = sizes.get(names[dtype], 0) + n
+        total = sum(sizes.values()) or 1
+        parts.append("other weights " + ", ".join(f"{name} ({100 * n / total:.0f}%)" for name, n in
+                                                   sorted(sizes.items(), key=lambda kv: -kv[1])))
+        return "; ".join(parts)
+
     def quantized_modules(self) -> dict[str, QuantSpec]:
         """Every module stored packed, with its spec (config overrides, checked against the shapes)."""
         out = {}

@@ -11,7 +11,7 @@ elementwise kernels round differently, so the networks use these instead:
   one torch op; a reduced-precision result is computed in float32 and rounded once, as MLX does
   (bitwise equal on every case measured, see ``tests/test_layers.py``). :class:`Conv1d`,
   :class:`Conv2d` and :func:`pointwise` add the bias after the convolution, as MLX's conv layers.
-* :func:`scalar`, :func:`sigmoid`, :func:`gelu_tanh`, :func:`gelu_erf`, :func:`softplus`,
+* :func:`scalar`, :func:`sigmoid`, :func:`silu`, :func:`gelu_tanh`, :func:`gelu_erf`, :func:`softplus`,
   :func:`rsqrt`, :func:`mean_last`, :func:`var_last`: in float32 the torch op; in bf16/fp16 the same formula MLX
   evaluates, one rounding per op, with its constants rounded to the dtype first.
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid",
+__all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise"]
 
 REDUCED = (torch.bfloat16, torch.float16)
@@ -124,6 +124,13 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(x)
     y = 1.0 / (1.0 + torch.exp(x.abs()).float())
     return torch.where(x < 0, y, 1.0 - y).to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)``; in bf16 MLX's two roundings (its :func:`sigmoid`, then the product)."""
+    if x.dtype not in REDUCED:
+        return F.silu(x)
+    return x * sigmoid(x)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import Linear
+from .layers import REDUCED, Linear, silu
 from .quant import QuantizedLinear, concat_linears
 
 __all__ = [
@@ -53,11 +53,9 @@ SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting).
-
-    When x and the weight share a dtype that is one fused op (one kernel on MPS/CUDA; in float32
-    exact, in bf16/fp16 the weight is applied before the single rounding, within one ulp of MLX)."""
-    if weight is None or weight.dtype == x.dtype:
+    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting; in
+    bf16 the product is rounded again). In float32 with a float32 weight that is one fused op."""
+    if weight is None or (weight.dtype == x.dtype and x.dtype not in REDUCED):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return y if weight is None else y * weight
@@ -83,7 +81,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = (y * F.silu(gate)).unflatten(-1, (self.groups, -1))
+        y = (silu(gate) * y).unflatten(-1, (self.groups, -1))
         return rms_norm(y, None, self.eps).flatten(-2) * self.weight
 
 
@@ -302,7 +300,12 @@ class NemotronHMamba2Mixer(nn.Module):
                     ring[:, r % K] = ring[:, r % K + K] = window[:, r - t + K - 1]
             cache.offset += L
         weight, bias = self.conv1d.weight, self.conv1d.bias
-        if window.dtype == weight.dtype:
+        if window.dtype == weight.dtype and window.dtype in REDUCED:  # MLX: the conv rounded, then + bias
+            out = F.conv1d(window.transpose(1, 2).float(), weight.float(), None, groups=self.conv_dim)
+            out = out.transpose(1, 2).to(window.dtype)
+            if bias is not None:
+                out = out + bias
+        elif window.dtype == weight.dtype:
             out = F.conv1d(window.transpose(1, 2), weight, bias, groups=self.conv_dim).transpose(1, 2)
         else:
             # Mixed dtypes (which F.conv1d refuses) promote as in MLX: float32 taps rounded once to
@@ -311,7 +314,7 @@ class NemotronHMamba2Mixer(nn.Module):
             out = taps.sum(-1).to(torch.promote_types(window.dtype, weight.dtype))
             if bias is not None:
                 out = out + bias
-        return F.silu(out)
+        return silu(out)
 
     def _ssm_step(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                   state: torch.Tensor) -> torch.Tensor:
@@ -321,11 +324,28 @@ class NemotronHMamba2Mixer(nn.Module):
         """
         b, H, P = x.shape
         G, N = B.shape[1:]
+        if C.dtype in REDUCED:
+            return self._ssm_step_reduced(x, dt, A, B, C, state)
         state.mul_(torch.exp(dt * A)[..., None, None])
         grouped = state.view(b, G, H // G * P, N)
         grouped.addcmul_((x * dt.unsqueeze(-1)).view(b, G, -1, 1), B.unsqueeze(2))
         y = grouped.view(b * G, -1, N) @ C.reshape(b * G, N, 1).float()
         return y.view(b, H, P)
+
+    def _ssm_step_reduced(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                          C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """:meth:`_ssm_step` for bf16/fp16 x, B, C (a bf16 prompt prefill) as the reference's chunked scan
+        computes one token: ``y = round(C.B) dt x + exp(dt A) (S C)``, C.B rounded to the input dtype."""
+        b, H, P = x.shape
+        G, N = B.shape[1:]
+        decay = torch.exp(dt * A)  # [b, H]
+        grouped = state.view(b, G, H // G * P, N)
+        y_prev = (grouped.view(b * G, -1, N) @ C.reshape(b * G, N, 1).float()).view(b, H, P)
+        cb = (C.float() * B.float()).sum(-1).to(C.dtype).float().repeat_interleave(H // G, dim=1)  # [b, H]
+        dtx = x.float() * dt.unsqueeze(-1)
+        state.mul_(decay[..., None, None])
+        grouped.addcmul_(dtx.view(b, G, -1, 1), B.float().unsqueeze(2))
+        return cb.unsqueeze(-1) * dtx + decay.unsqueeze(-1) * y_prev
 
     def forward(self, x: torch.Tensor, cache: MambaCache | None = None) -> torch.Tensor:
         b, L, _ = x.shape
@@ -348,7 +368,10 @@ class NemotronHMamba2Mixer(nn.Module):
             y, state = _ssd_scan(xs, dt, A, B, C, None if cache is None else cache.ssm_state)
             if cache is not None:
                 cache.ssm_state.copy_(state)
-        y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])  # the D skip
+        if xs.dtype in REDUCED:  # the D skip; in bf16 the reference rounds the product and the sum
+            y = y.to(xs.dtype) + xs * self.D.to(xs.dtype)[:, None]
+        else:
+            y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])
         return self.out_proj(self.norm(y.reshape(b, L, self.d_inner), z))
 
 

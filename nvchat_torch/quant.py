@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantSpec
-from .layers import Linear
+from .layers import REDUCED, Linear
 
 __all__ = [
     "QuantSpec",
@@ -181,6 +181,17 @@ class _Packed(nn.Module):
         return dequantize(w, s, b, self.spec, dtype)
 
 
+def sequential_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` as MLX's CPU quantized matmul computes it in bf16/fp16: one input
+    column at a time, each product and each sum rounded (bitwise, see ``tests/test_layouts.py``).
+    2 ops per input feature: only bf16-*scale* checkpoints need it, and only while bf16 activations
+    flow through the LLM (the prompt prefill); a float32 activation takes the plain matmul."""
+    acc = torch.zeros(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    for k in range(x.shape[-1]):
+        acc = acc + x[..., k:k + 1] * weight[:, k]
+    return acc if bias is None else acc + bias
+
+
 class QuantizedLinear(_Packed):
     """``nn.Linear`` whose weight stays in MLX's packed format (keys ``weight``, ``scales``, ``biases``, ``bias``)."""
 
@@ -192,7 +203,10 @@ class QuantizedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.dequantized(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.dtype in REDUCED and self.scales.dtype == x.dtype:
+            return sequential_linear(x, w, bias)
+        return F.linear(x, w, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -278,7 +292,9 @@ class Int4PackedLinear(nn.Module):
 
 
 def _int4_eligible(m: nn.Module) -> bool:
+    # float32 scales only: a bf16-scale layer needs the reference's sequential bf16 sum in the prefill
     return (isinstance(m, QuantizedLinear) and m.spec.mode == "affine" and m.spec.bits == 4
+            and m.scales.dtype == torch.float32
             and m.spec.group_size in (32, 64, 128) and m.in_features % 64 == 0)
 
 
