@@ -319,10 +319,16 @@ class GemmaAttention(_Attention):
         if cache is not None:
             held_k, held_v = cache.write(layer, k, v)
             if length == 1:  # one new position attends to every held one (no mask, as the reference)
-                k, v = held_k, held_v
+                # The query heads of a KV head become that many query rows (a view): plain attention
+                # over the held keys, which GQA would expand per query head, every step, whole history.
+                b = q.shape[0]
+                out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
+                                                     scale=self.scale)
+                return self.output(out.view(b, self.n_heads, 1, self.head_dim))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_heads != self.n_kv_heads)
         return self.output(out)
+
 
 
 class GemmaLayer(nn.Module):
