@@ -330,7 +330,6 @@ class GemmaAttention(_Attention):
         return self.output(out)
 
 
-
 class GemmaLayer(nn.Module):
     """Pre- and post-normed attention and MLP blocks (Gemma 3)."""
 
