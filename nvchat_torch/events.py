@@ -21,7 +21,8 @@ __all__ = [
     "VoiceChatResult",
 ]
 
-EventKind = Literal["assistant_text_delta", "function_delta", "user_transcript_delta", "audio", "done", "cancelled"]
+EventKind = Literal["assistant_text_delta", "function_delta", "user_transcript_delta", "audio", "done", "cancelled",
+                    "tool_call", "tool_call_error"]
 
 
 @dataclass
@@ -36,6 +37,11 @@ class VoiceChatEvent:
     samples: np.ndarray | None = None  # float32, `sample_rate` Hz (audio events)
     sample_rate: int | None = None
     audio_codes: np.ndarray | None = None  # int32 [num_quantizers] (audio events)
+    # tool_call / tool_call_error events (nvchat_torch.tools); `text` is the call span's decoded text
+    call_id: str | None = None
+    name: str | None = None
+    arguments: dict | None = None
+    reason: str | None = None  # tool_call_error: why the span was not a call to an offered tool
 
 
 @dataclass
@@ -49,8 +55,13 @@ class StreamingOptions:
     use_perception_cache: bool = True
     profile: bool = False
     deterministic: bool = False
+    tools: list[dict] | None = None  # OpenAI-format function tools (nvchat_torch.tools), at most 5
 
     def __post_init__(self) -> None:
+        if self.tools is not None:
+            from .tools import validate_tools
+
+            validate_tools(self.tools)
         if self.max_streaming_seconds is not None and not self.max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {self.max_streaming_seconds}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -196,3 +207,4 @@ class VoiceChatResult:
     audio: np.ndarray  # float32 [frames * 1764] at sample_rate
     audio_codes: np.ndarray  # int32 [frames, 31]
     sample_rate: int
+    tool_calls: list[VoiceChatEvent] = field(default_factory=list)  # tool_call / tool_call_error (with tools)

@@ -27,6 +27,7 @@ from .events import (
 )
 from .nemotron_h import fused_input, language_heads
 from .rnnt import TranscriptText
+from .tools import ToolChannel, render_system_prompt
 
 __all__ = ["StreamingSession", "generate_offline"]
 
@@ -140,6 +141,9 @@ class StreamingSession:
         perception = model.stt_model.perception
         self._perception = perception
         self._transcriber = model.transcriber
+        # Tool calls parsed from the function channel, and ids forced into either output channel.
+        self._tools = ToolChannel(model.tokenizer, options.tools, pad_id=cfg.pad_token_id,
+                                  vocab_size=cfg.text_config.vocab_size, device=model.device)
         with torch.inference_mode():
             self._timeline = _Timeline(model, options.seed, options.deterministic, options.use_language_cache)
             if options.use_perception_cache:
@@ -151,7 +155,7 @@ class StreamingSession:
                 self._window_samples = window
             self._rnnt_state = self._transcriber.new_state()
             self._codec_cache = model.tts_model.audio_codec.new_cache()
-            prompt = self._timeline.prompt_ids(options.system_prompt)
+            prompt = self._timeline.prompt_ids(_prompt_text(options.system_prompt, options.tools))
             # The model's own limit: every LLM position (prompt and frames) within max_position_embeddings,
             # and the TTS positions (speaker prompt + the same timeline) within the rotary tables built at load.
             tts = model.tts_model.tts_model
@@ -251,6 +255,26 @@ class StreamingSession:
         self._close()
         return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
 
+    # ---- tool calls and forced tokens
+    def send_tool_result(self, call_id: str, output) -> None:
+        """Answer the ``tool_call`` event ``call_id`` with ``output`` (a JSON-serialisable value, or a
+        string; a string holding JSON is that JSON). Once every call of its span has a result, the
+        ``<TOOL_RESPONSE>[...]</TOOL_RESPONSE>`` tokens replace the function channel's outputs, one
+        per frame from the next frame on, with the text channel held at PAD; they come back as
+        ``function_delta`` events. Unknown or already-answered ids raise ``ValueError``."""
+        self._tools.send_result(call_id, output)
+
+    def force_tokens(self, channel: str, ids) -> None:
+        """Research hook (scripted responses, teacher forcing, evaluation): ``ids`` replace the model's
+        ``channel`` ("text" or "function") outputs for the next frames, one per frame, and are fed
+        back as the model's own would be. Queued after anything already forced on that channel."""
+        self._tools.force(channel, ids)
+
+    @property
+    def pending_tool_calls(self) -> list[str]:
+        """The ids of ``tool_call`` events still waiting for :meth:`send_tool_result`."""
+        return self._tools.awaiting
+
     def _close(self) -> None:
         self._pending = np.zeros(0, dtype=np.float32)
         with torch.inference_mode():  # the caches are inference tensors
@@ -305,6 +329,9 @@ class StreamingSession:
             transcript_ids = self._transcriber.step(encoded, self._rnnt_state)
             mark()
             ids = self._timeline.language(projected, generate=True)
+            if self._tools.forcing:  # force_tokens / a tool result: queued ids replace the outputs, on the device
+                ids = self._tools.apply(ids)
+                self._timeline.prev_text, self._timeline.prev_function = ids[0].view(1, 1), ids[1].view(1, 1)
             mark()
             codes = self._timeline.speech(ids[:1])
             mark()
@@ -344,6 +371,7 @@ class StreamingSession:
             update = acc.append(token)
             if update is not None:
                 events.append(VoiceChatEvent(kind, i, token_id=token, delta=update[0], text=update[1]))
+        events += self._tools.feed(function_id, i)
         events.append(VoiceChatEvent("audio", i, samples=samples, sample_rate=self.config.output_sample_rate,
                                      audio_codes=codes))
         return events
@@ -351,6 +379,11 @@ class StreamingSession:
 
 # --------------------------------------------------------------------------------------
 # Offline
+
+
+def _prompt_text(system_prompt: str | None, tools) -> str | None:
+    """With tools, NVIDIA's function-calling prompt; without, the system prompt as given."""
+    return render_system_prompt(system_prompt, tools) if tools else system_prompt
 
 
 def _load_audio(audio, sample_rate: int) -> np.ndarray:
@@ -362,12 +395,15 @@ def _load_audio(audio, sample_rate: int) -> np.ndarray:
 
 def generate_offline(model, audio, *, system_prompt: str | None, seed: int, deterministic: bool,
                      max_frames: int | None, extra_decoding_seconds: float,
-                     use_language_cache: bool) -> VoiceChatResult:
+                     use_language_cache: bool, tools=None) -> VoiceChatResult:
     """One turn over the whole input, as the reference's ``VoiceChatSession.generate``: the mel and
     encoder run over the whole waveform (N frames of audio give N + 1 encoder frames), the system
     prompt is prepended on the user channel, timeline position 0 runs no TTS (its codes are 0),
-    and the codes are decoded in one codec pass."""
+    and the codes are decoded in one codec pass. With ``tools`` the prompt is NVIDIA's function-calling
+    prompt and the result lists the calls found on the function channel."""
     cfg = model.config
+    tool_channel = ToolChannel(model.tokenizer, tools, pad_id=cfg.pad_token_id,
+                               vocab_size=cfg.text_config.vocab_size, device=model.device)
     wave = _load_audio(audio, cfg.input_sample_rate)
     if extra_decoding_seconds < 0:
         raise ValueError(f"extra_decoding_seconds must be >= 0, got {extra_decoding_seconds}")
@@ -383,7 +419,7 @@ def generate_offline(model, audio, *, system_prompt: str | None, seed: int, dete
         frames = projected.shape[1] if max_frames is None else min(projected.shape[1], max_frames)
         projected, encoded = projected[:, :frames], encoded[:, :frames]
         timeline = _Timeline(model, seed, deterministic, use_language_cache)
-        prompt = timeline.prompt_ids(system_prompt)
+        prompt = timeline.prompt_ids(_prompt_text(system_prompt, tools))
         if prompt:
             timeline.prefill(model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype))
         ids, codes = [], []
@@ -406,7 +442,8 @@ def generate_offline(model, audio, *, system_prompt: str | None, seed: int, dete
     def decode(channel: np.ndarray) -> str:
         return model.tokenizer.decode([int(i) for i in channel if int(i) not in skip], skip_special_tokens=False)
 
+    tool_calls = [e for frame, token in enumerate(ids[:, 1].tolist()) for e in tool_channel.feed(int(token), frame)]
     return VoiceChatResult(text=decode(ids[:, 0]), text_ids=ids[:, 0].astype(np.int64),
                            function_ids=ids[:, 1].astype(np.int64), function_text=decode(ids[:, 1]),
                            user_transcript=transcript.text, audio=audio_np, audio_codes=codes_np,
-                           sample_rate=cfg.output_sample_rate)
+                           sample_rate=cfg.output_sample_rate, tool_calls=tool_calls)

@@ -1,0 +1,422 @@
+"""Tool calls: the tools in the system prompt, calls parsed from the function channel, results fed back.
+
+The format is the one the checkpoint was trained on (NVIDIA's NeMo ``nemotron-labs-voicechat``
+branch: the function-calling ``template.jinja``, the offline function-calling script and the
+streaming wrapper's function-call state machine):
+
+* The system prompt with tools (:func:`render_system_prompt`): the instructions, a blank line, the
+  tool list as ``<AVAILABLE_TOOLS>[...]</AVAILABLE_TOOLS>`` and the format paragraphs.
+* A call on the function channel: ``<SPECIAL_20>`` ... ``<SPECIAL_21>``, the tokens between
+  (PAD dropped) decoding to ``<TOOLCALL>[{"name": ..., "arguments": {...}}]</TOOLCALL>``.
+* A result: ``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>`` (:func:`format_tool_response`), tokenised
+  and fed one token per frame into the function channel: each token replaces the model's function
+  output of its frame, so it is the next frame's function input, and the text channel is held at PAD
+  meanwhile. The model then emits ``<SPECIAL_22>`` (end of tool response) by itself.
+
+:class:`ToolChannel` is the per-session state the streaming session drives: it parses calls from
+the function ids the frame loop already reads, and keeps the queue of forced ids
+(:meth:`StreamingSession.force_tokens`, tool results), which it substitutes on the device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .events import VoiceChatEvent
+
+__all__ = [
+    "TOOL_SYSTEM_MESSAGE",
+    "MAX_TOOLS",
+    "CALL_START",
+    "CALL_END",
+    "RESPONSE_END",
+    "validate_tools",
+    "render_system_prompt",
+    "parse_tool_calls",
+    "format_tool_response",
+    "tool_result_json",
+    "ToolChannel",
+]
+
+# NVIDIA recommends at most 5 tools per session; more degrade the model's tool use.
+MAX_TOOLS = 5
+CALL_START, CALL_END, RESPONSE_END = "<SPECIAL_20>", "<SPECIAL_21>", "<SPECIAL_22>"
+
+# The function-calling system message the checkpoint was trained with (NVIDIA's default for the
+# function-calling scripts); used when tools are given and the caller gives no instructions.
+TOOL_SYSTEM_MESSAGE = (
+    "You are an AI voice assistant developed by NVIDIA. "
+    "Your name is NVIDIA Voice Chat. "
+    "Your job is to be helpful and harmless and have engaging conversations in English. "
+    "Maintain a warm and friendly tone. "
+    "Keep the dialogue open and ongoing. "
+    "Be clear and direct, especially when answering yes or no questions and multiple-choice questions. "
+    "Avoid long answers unless the user asks you to provide details or context. "
+    "You must provide diverse responses and rephrase answers if the user asks the same question. "
+    "DO NOT interrupt the user when they are speaking, let them finish their turn before answering."
+    "\n\nWhen you receive a request, follow this decision process:\n"
+    "1. Does the request match one of your available tools below? If yes, you MUST call that tool - "
+    "never answer it directly from your own knowledge, even if you think you know the answer.\n"
+    "2. Is it a general knowledge question (history, science, geography, math, facts, etc.)? "
+    "If yes, answer directly from your own knowledge - do not call any tool.\n"
+    "3. Does it require an external action or live data that none of your tools cover "
+    "(e.g. ordering food, sending email)? If yes, politely say you don't have that capability."
+    "\n\nNEVER say \"I don't have a tool for that\" for general knowledge questions you can answer yourself."
+    "\n\nDO NOT use any tools when not needed to answer the user's requests, under no circumstance."
+    "\n\nYou are an expert across history, geography, science, math, literature, biographies, languages, "
+    "recipes, programming, current affairs, and general knowledge. When the user asks about any of these, "
+    "answer directly and conversationally from your own knowledge - no <TOOLCALL>."
+    "\n\nCall a tool ONLY when the user's request matches one of the tools listed in <AVAILABLE_TOOLS> below. "
+    "For every other request, do not call any tool - just answer from your knowledge. "
+    "Never invent or call a tool name that is not literally in <AVAILABLE_TOOLS>."
+    "\n\nTool-call arguments must be values the user spoke. "
+    "If a required argument is missing, ask the user; never guess."
+    "\n\nIf a tool call fails or returns an error, do not retry the tool call for the same request. "
+    "Tell the user that the API has an issue."
+)
+
+# The fixed text of the tool block (NVIDIA's template.jinja).
+_TOOLS_INTRO = "You can use the following tools to assist the user if required:\n<AVAILABLE_TOOLS>["
+_TOOLS_OUTRO = (
+    "]</AVAILABLE_TOOLS>\n\n"
+    "If you decide to call any tool(s), use the following format:\n"
+    '<TOOLCALL>[{"name": "tool_name1", "arguments": "tool_args1"}, '
+    '{"name": "tool_name2", "arguments": "tool_args2"}]</TOOLCALL>\n\n'
+    "The user will execute tool-calls and return responses from tool(s) in this format:\n"
+    '<TOOL_RESPONSE>[{"tool_response1"}, {"tool_response2"}]</TOOL_RESPONSE>\n\n'
+    "Based on the tool responses, you can call additional tools if needed, correct tool calls if any "
+    "errors are found, or just respond to the user."
+)
+
+
+# --------------------------------------------------------------------------------------
+# Tools and the system prompt
+
+
+def validate_tools(tools: Sequence[Mapping] | None) -> list[dict]:
+    """Check OpenAI-format function tools and return their definitions as the prompt shows them:
+    the ``function`` object of a nested tool (``{"type": "function", "function": {...}}``) or the
+    flat tool itself, without its ``type`` key. Raises ``ValueError`` naming what is wrong."""
+    if tools is None:
+        return []
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools per session (NVIDIA's limit for this model), got {len(tools)}")
+    definitions, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(tool).__name__}")
+        if tool.get("type", "function") != "function":
+            raise ValueError(f"{where} has type {tool['type']!r}; only function tools are supported")
+        if "function" in tool:
+            definition = tool["function"]
+            where += ".function"
+            if not isinstance(definition, Mapping):
+                raise ValueError(f"{where} must be a dict, got {type(definition).__name__}")
+        else:
+            definition = tool
+        name = definition.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where} needs a non-empty string 'name', got {name!r}")
+        if name in names:
+            raise ValueError(f"{where}: the tool name {name!r} is given twice")
+        if not isinstance(definition.get("description", ""), str):
+            raise ValueError(f"{where}.description must be a string")
+        if not isinstance(definition.get("parameters", {}), Mapping):
+            raise ValueError(f"{where}.parameters must be a dict (a JSON schema)")
+        shown = {k: v for k, v in definition.items() if k != "type"}
+        try:
+            json.dumps(shown, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where} ({name!r}) is not JSON-serialisable: {e}") from None
+        names.add(name)
+        definitions.append(shown)
+    return definitions
+
+
+def _tojson(value: Any) -> str:
+    """Jinja's ``tojson`` filter as NVIDIA's template renders it: ``json.dumps`` with sorted keys
+    (ASCII, default separators), then ``< > & '`` as ``\\u`` escapes."""
+    text = json.dumps(value, sort_keys=True)
+    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("'", "\\u0027"))
+
+
+def render_system_prompt(system_prompt: str | None, tools: Sequence[Mapping] | None) -> str:
+    """The system prompt text NVIDIA's function-calling template renders for ``system_prompt`` and
+    ``tools``; the session tokenises it as ``[BOS] + encode(text) + [EOS]``.
+
+    ``system_prompt=None`` with tools gives the trained :data:`TOOL_SYSTEM_MESSAGE`; without tools,
+    the text is ``system_prompt`` itself (``""`` for None)."""
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string or None, got {type(system_prompt).__name__}")
+    definitions = validate_tools(tools)
+    if not definitions:
+        return system_prompt or ""
+    message = TOOL_SYSTEM_MESSAGE if system_prompt is None else system_prompt
+    separator = "\n\n" if message != "" else ""
+    return message + separator + _TOOLS_INTRO + ", ".join(_tojson(d) for d in definitions) + _TOOLS_OUTRO
+
+
+# --------------------------------------------------------------------------------------
+# Calls and results
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict]]:
+    """The ``(name, arguments)`` calls in the decoded text of one call span: ``<TOOLCALL>`` JSON
+    ``</TOOLCALL>`` (the tags may be missing), one object or a list; ``arguments`` a dict, a JSON
+    string of one, or absent (``{}``). Raises ``ValueError`` with the reason when it is malformed."""
+    body = text.strip()
+    if "<TOOLCALL>" in body:
+        body = body.split("<TOOLCALL>", 1)[1]
+    body = body.split("</TOOLCALL>", 1)[0].strip()
+    if not body:
+        raise ValueError("the call span holds no JSON")
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the call is not valid JSON ({e})") from None
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError("the call list is empty")
+    calls = []
+    for i, item in enumerate(items):
+        where = f"call {i}" if isinstance(value, list) else "the call"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} is not a JSON object: {item!r}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where} has no string 'name'")
+        arguments = item.get("arguments")
+        if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+            arguments = {}
+        elif isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} ({name}): the arguments string is not valid JSON ({e})") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where} ({name}): arguments must be a JSON object, got {arguments!r}")
+        calls.append((name, arguments))
+    return calls
+
+
+def tool_result_json(output: Any) -> str:
+    """One result as it goes into ``<TOOL_RESPONSE>``: ``json.dumps`` with its defaults, as NVIDIA's
+    offline script. A string holding JSON is that JSON (re-serialised); any other string becomes a
+    JSON string. Raises ``ValueError`` for what JSON cannot hold."""
+    if isinstance(output, str):
+        try:
+            output = json.loads(output)
+        except json.JSONDecodeError:
+            pass
+    try:
+        return json.dumps(output)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the tool result is not JSON-serialisable: {e}") from None
+
+
+def format_tool_response(outputs: Sequence[Any]) -> str:
+    """``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>``: the results of one call span, in call order."""
+    return _response_text([tool_result_json(o) for o in outputs])
+
+
+def _response_text(serialised: list[str]) -> str:
+    return "<TOOL_RESPONSE>[" + ", ".join(serialised) + "]</TOOL_RESPONSE>"
+
+
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise ValueError(f"the tokenizer has no {token} token, which tool calls need "
+                         f"(the VoiceChat tokenizer has <SPECIAL_20> and <SPECIAL_21>)")
+    return token_id
+
+
+# --------------------------------------------------------------------------------------
+# The session's function channel
+
+
+@dataclass
+class _Span:
+    """The calls of one closed span and their results, in call order."""
+
+    call_ids: list[str]
+    results: dict[str, str] = field(default_factory=dict)  # call_id -> serialised result
+
+
+class ToolChannel:
+    """What a streaming session does with its output channels beyond decoding them.
+
+    * Parsing (when tools were given): :meth:`feed` takes each frame's function id (read from the
+      frame's one host read) and returns ``tool_call`` / ``tool_call_error`` events when a span closes.
+    * Forcing: :meth:`force` queues ids that replace the model's outputs, one per frame per channel;
+      :meth:`apply` substitutes the current frame's on the device (``torch.where`` on a table uploaded
+      when the queue changes), so no host read is added and an empty queue costs nothing.
+    * Results: :meth:`send_result` collects them; when every call of a span has one, the tokenised
+      ``<TOOL_RESPONSE>`` is queued on the function channel with the text channel held at PAD.
+    """
+
+    def __init__(self, tokenizer, tools, *, pad_id: int, vocab_size: int, device: torch.device):
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        self.device = device
+        self.tool_names = [d["name"] for d in validate_tools(tools)]
+        self.parsing = bool(self.tool_names)
+        if self.parsing:
+            self.start_id = _token_id(tokenizer, CALL_START)
+            self.end_id = _token_id(tokenizer, CALL_END)
+        self._open: list[int] | None = None  # ids of the open span (PAD dropped)
+        self._calls = 0
+        self._spans: dict[str, _Span] = {}  # call_id -> its span, until answered
+        self._answered: set[str] = set()
+        # Forced ids per channel, front = next frame; None = the model's own output.
+        self._text: deque[int | None] = deque()
+        self._function: deque[int | None] = deque()
+        self._injected: deque[bool] = deque()  # per queued function id: part of a tool result (not parsed)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._row = 0
+        self._injected_now = False
+
+    # ---- forcing
+    @property
+    def forcing(self) -> bool:
+        return bool(self._text or self._function)
+
+    def force(self, channel: str, ids) -> None:
+        """Queue ``ids`` to replace the model's ``channel`` ("text" or "function") outputs, one per frame."""
+        if channel not in ("text", "function"):
+            raise ValueError(f"channel must be 'text' or 'function', got {channel!r}")
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        elif hasattr(ids, "tolist"):  # numpy
+            ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError(f"ids must be a list of token ids, got {type(ids).__name__}")
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"token ids must be ints in [0, {self.vocab_size}), got {i!r}")
+        if channel == "text":
+            self._text.extend(ids)
+        else:
+            self._function.extend(ids)
+            self._injected.extend([False] * len(ids))
+        self._table = None
+
+    def _inject(self, ids: list[int]) -> None:
+        """Queue a tool result on the function channel with the text channel at PAD for those frames."""
+        start = len(self._function)
+        self._function.extend(ids)
+        self._injected.extend([True] * len(ids))
+        while len(self._text) < start:
+            self._text.append(None)
+        for j in range(len(ids)):
+            if start + j < len(self._text):
+                self._text[start + j] = self.pad_id
+            else:
+                self._text.append(self.pad_id)
+        self._table = None
+
+    def apply(self, ids: torch.Tensor) -> torch.Tensor:
+        """This frame's ``[2]`` (text, function) ids with the queued ones substituted (on the device)."""
+        if self._table is None:
+            rows = max(len(self._text), len(self._function))
+            values = [[0, 0] for _ in range(rows)]
+            mask = [[False, False] for _ in range(rows)]
+            for column, queue in enumerate((self._text, self._function)):
+                for r, token in enumerate(queue):
+                    if token is not None:
+                        values[r][column], mask[r][column] = token, True
+            self._table = (torch.tensor(values, dtype=ids.dtype).to(ids.device),
+                           torch.tensor(mask).to(ids.device))
+            self._row = 0
+        values, mask = self._table
+        out = torch.where(mask[self._row], values[self._row], ids)
+        self._row += 1
+        if self._text:
+            self._text.popleft()
+        self._injected_now = False
+        if self._function:
+            self._function.popleft()
+            self._injected_now = self._injected.popleft()
+        if not self.forcing:
+            self._table = None
+        return out
+
+    # ---- parsing
+    def feed(self, token_id: int, frame_index: int) -> list[VoiceChatEvent]:
+        """The events of this frame's function id (after any substitution)."""
+        injected, self._injected_now = self._injected_now, False
+        if not self.parsing or injected:  # a tool result is the user's text, not a call
+            return []
+        if token_id == self.start_id:
+            events = []
+            if self._open is not None:
+                events.append(self._error(frame_index, self._open, "a new call started before this one closed"))
+            self._open = []
+            return events
+        if self._open is None:
+            return []
+        if token_id == self.end_id:
+            span, self._open = self._open, None
+            return self._close(span, frame_index)
+        if token_id != self.pad_id:
+            self._open.append(token_id)
+        return []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _error(self, frame_index: int, ids: list[int], reason: str, name: str | None = None) -> VoiceChatEvent:
+        return VoiceChatEvent("tool_call_error", frame_index, text=self._decode(ids), name=name, reason=reason)
+
+    def _close(self, ids: list[int], frame_index: int) -> list[VoiceChatEvent]:
+        text = self._decode(ids)
+        try:
+            calls = parse_tool_calls(text)
+        except ValueError as e:
+            return [VoiceChatEvent("tool_call_error", frame_index, text=text, reason=str(e))]
+        events, span = [], _Span([])
+        for name, arguments in calls:
+            if name not in self.tool_names:
+                events.append(VoiceChatEvent("tool_call_error", frame_index, text=text, name=name,
+                                             arguments=arguments,
+                                             reason=f"the model called {name!r}, which is not among the "
+                                                    f"tools offered ({', '.join(self.tool_names)})"))
+                continue
+            self._calls += 1
+            call_id = f"call_{self._calls}"
+            span.call_ids.append(call_id)
+            self._spans[call_id] = span
+            events.append(VoiceChatEvent("tool_call", frame_index, text=text, call_id=call_id, name=name,
+                                         arguments=arguments))
+        return events
+
+    # ---- results
+    def send_result(self, call_id: str, output: Any) -> None:
+        """Record the result of ``call_id``; once its span has all of them, queue the response."""
+        if call_id in self._answered:
+            raise ValueError(f"the call {call_id!r} has already been answered")
+        span = self._spans.get(call_id)
+        if span is None:
+            raise ValueError(f"unknown call_id {call_id!r} (no tool_call event had it)")
+        span.results[call_id] = tool_result_json(output)
+        self._answered.add(call_id)
+        del self._spans[call_id]
+        if len(span.results) == len(span.call_ids):
+            text = _response_text([span.results[c] for c in span.call_ids])
+            self._inject(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @property
+    def awaiting(self) -> list[str]:
+        """The call ids still waiting for a result."""
+        return list(self._spans)
