@@ -29,7 +29,7 @@ from .conformer import Perception
 from .events import StreamingOptions, VoiceChatResult
 from .layers import Linear
 from .nemotron_h import NemotronHModel, fuse_heads
-from .quant import QuantizedEmbedding, pack_int4, quantize_modules
+from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4, quantize_modules
 from .rnnt import RnntDecoder, RnntJoint, RnntTranscriber
 from .tts import SpeechDecoder, TTSPrompt
 
@@ -73,6 +73,7 @@ class VoiceChatModel(nn.Module):
         self.fused_heads: nn.Module | None = None  # set by prepare(): lm_head and function_head as one matmul
         self._tts_prompt: TTSPrompt | None = None
         self.source = "random weights"
+        self.prepared = False
 
     # ---- parts the sessions drive (not registered: their weights live in stt_model)
     @property
@@ -107,16 +108,61 @@ class VoiceChatModel(nn.Module):
 
     def prepare(self, int4: bool = True) -> "VoiceChatModel":
         """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
-        fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul, stacked codebooks,
-        and 4-bit packed linears on torch's int4pack kernel where the device has it."""
+        fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul (which replaces
+        them: no second copy), stacked codebooks, the RNNT gate table, and 4-bit packed linears on
+        torch's int4pack kernel where the device has one that passes its self-test (computing in the
+        activation dtype: see :func:`~nvchat_torch.quant.pack_int4`)."""
         self.stt_model.perception.fuse()
         self.stt_model.rnnt_decoder.fuse()
         self.stt_model.llm.fuse()
         self.tts_model.fuse()
-        self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
+        if self.fused_heads is None:
+            self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
+            del self.stt_model.lm_head, self.stt_model.function_head
         if int4:
             pack_int4(self, dtype=self.dtype)
+        self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
+
+    # ---- casts. A prepared model computes in the dtypes load_model chose, so it refuses a cast that
+    # would round its float32 islands; an unprepared one is a plain module (cast it, then
+    # set_activation_dtype, init_constants and prepare, as load_tiny_model does).
+    def to(self, *args, **kwargs):  # type: ignore[override]
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if not self.prepared:
+            return super().to(*args, **kwargs)
+        if dtype is not None and dtype != self.dtype:
+            raise _recast_error(f".to({dtype})")
+        if device is None or torch.device(device) == self.device:
+            return self  # the activation dtype already: nothing to convert (and no constant to round)
+        if self.int4_packed():
+            raise RuntimeError(f"model.to({device}): the 4-bit weights are packed for {self.device}'s int4 kernel, "
+                               f"in a layout other devices read differently; load the model there instead: "
+                               f"nvchat_torch.load_model(path, device={str(device)!r})")
+        return super().to(device=device)
+
+    def half(self):  # type: ignore[override]
+        if not self.prepared:
+            return super().half()
+        raise _recast_error(".half()")
+
+    def bfloat16(self):  # type: ignore[override]
+        if not self.prepared:
+            return super().bfloat16()
+        raise _recast_error(".bfloat16()")
+
+    def float(self):  # type: ignore[override]
+        if not self.prepared:
+            return super().float()
+        raise _recast_error(".float()")
+
+    def double(self):  # type: ignore[override]
+        if not self.prepared:
+            return super().double()
+        raise _recast_error(".double()")
+
+    def int4_packed(self) -> bool:
+        return any(isinstance(m, Int4PackedLinear) for m in self.modules())
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -130,12 +176,29 @@ class VoiceChatModel(nn.Module):
         return self._tts_prompt
 
     def describe(self) -> str:
+        """The model in one paragraph: size, mode, and the kernel path each kind of layer takes."""
         t = self.config.text_config
-        packed = sorted({f"{m.spec.mode} {m.spec.bits}-bit" for m in self.modules() if hasattr(m, "spec")})
         n = sum(p.numel() for p in self.parameters())
-        return (f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
-                f"{n / 1e6:.1f} M stored parameters{', packed ' + '/'.join(packed) if packed else ''}, "
-                f"{self.dtype} on {self.device}")
+        mode = "faithful (float32 activations, weights as stored)" if self.dtype == torch.float32 else \
+            f"fast ({self.dtype} activations)"
+        paths: dict[str, int] = {}
+        for m in self.modules():
+            if isinstance(m, Int4PackedLinear):
+                key = f"4-bit linears: torch int4pack kernel with {m.dtype} activations"
+            elif isinstance(m, QuantizedLinear):
+                key = (f"{m.spec.mode} {m.spec.bits}-bit linears: dequantized on every call "
+                       f"({m.scales.dtype} scales)")
+            elif isinstance(m, QuantizedEmbedding):
+                key = f"{m.spec.mode} {m.spec.bits}-bit embedding: rows dequantized when read"
+            elif isinstance(m, nn.Linear):
+                key = f"dense linears: {m.weight.dtype} weights"
+            else:
+                continue
+            paths[key] = paths.get(key, 0) + 1
+        lines = [f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
+                 f"{n / 1e6:.1f} M parameters ({model_bytes(self) / 1e9:.2f} GB as held), {mode}, on {self.device}"]
+        lines += [f"  {key}: {count}" for key, count in sorted(paths.items())]
+        return "\n".join(lines)
 
     # ---- inference
     def create_streaming_session(self, options: StreamingOptions | None = None, **kwargs):
@@ -205,11 +268,24 @@ def mlx_community_specs(model: nn.Module, bits: int, group_size: int = 64) -> di
 
 
 def full_size_bytes(bits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of the 11B model as loaded: ``bits`` packed (LLM + vocabulary), the rest in ``dtype``;
-    computed on the ``meta`` device, so nothing is allocated."""
+    """Bytes of the 11B model as :func:`load_model` returns it in the faithful mode: ``bits`` packed
+    (LLM + vocabulary, mlx-community's layout), the rest stored in ``dtype``, after every post-load
+    transform of :meth:`VoiceChatModel.prepare` (fused projections, heads, RNNT gate table, float32
+    codebooks, derived tables). Built on the ``meta`` device, so nothing is allocated; the 4-bit
+    matrices stay in their stored layout (the CPU int4pack layout is the same size for float32 scales)."""
     config = VoiceChatConfig.full_size()
     packed = mlx_community_specs(build_model(config), bits) if bits else None
-    return model_bytes(build_model(config, "meta", packed).to(dtype))
+    model = build_model(config, "meta", packed)
+    for module in model.modules():  # meta placeholders take the stored dtypes
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and not name.endswith("A_log"):
+                setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            module.scales = module.scales.to(dtype)
+            module.biases = None if module.biases is None else module.biases.to(dtype)
+    model.set_activation_dtype(torch.float32)
+    model.init_constants("meta")
+    return model_bytes(model.prepare(int4=False))
 
 
 # Checkpoints converted by other tools may hold convolution weights in MLX's channels-last layout:
@@ -254,24 +330,29 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
       discrete outputs exactly.
     * ``torch.float32``: every weight upcast to float32 (twice the memory of bf16 weights), float32
       arithmetic everywhere, as the reference computes a float32-stored checkpoint.
-    * ``torch.bfloat16`` / ``torch.float16``, the fast mode: weights and activations in that dtype.
-      Not bit-faithful: near-ties flip (see docs/parity.md for how often).
+    * ``torch.bfloat16``, the fast mode: weights and activations in bf16. Not bit-faithful: near-ties
+      flip (see docs/parity.md for how often).
 
-    ``weights``: "packed" keeps the checkpoint's quantized matrices packed (4-bit: 8.6 GB instead of
-    22 GB); "dequantized" expands them to ``dtype``; "auto" keeps them packed when the checkpoint is
-    quantized. ``prepare``: apply the speed-up transforms (:meth:`VoiceChatModel.prepare`); pass
-    False for a model whose state_dict is exactly the checkpoint's.
+    ``torch.float16`` is refused: fp16's range (65504) cannot hold the models' activations and mask
+    constants (-1e30), and no reference computes in it.
+
+    ``weights``: "packed" keeps the checkpoint's quantized matrices packed (4-bit: 8.9 GB instead of
+    22 GB); "dequantized" expands them (to ``dtype``, or in the faithful mode to their scales' dtype,
+    as MLX dequantizes); "auto" picks the fastest faithful path (:func:`auto_dequantizes`). ``prepare``:
+    apply the speed-up transforms (:meth:`VoiceChatModel.prepare`); pass False for a model whose
+    state_dict is exactly the checkpoint's.
     """
     if weights not in ("auto", "packed", "dequantized"):
         raise ValueError(f"weights must be 'auto', 'packed' or 'dequantized', got {weights!r}")
     folder = resolve_checkpoint(path_or_repo_id)
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
-    if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be None (faithful), torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    check_dtype(dtype)
     with Checkpoint(folder) as ckpt:
         quantized = ckpt.quantized_modules()
-        packed = quantized if weights in ("auto", "packed") else {}
+        if weights == "auto":
+            weights = "dequantized" if auto_dequantizes(ckpt, quantized, device, dtype) else "packed"
+        packed = quantized if weights == "packed" else {}
         # Placeholders on meta: the checkpoint's tensors replace them, stored dtypes included.
         model = build_model(ckpt.config, "meta", packed, dtype)
         expected = set(model.state_dict())
@@ -292,6 +373,53 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     model.source = str(path_or_repo_id)
     model.set_tokenizer(load_tokenizer(folder))
     return model.prepare() if prepare else model
+
+
+def auto_dequantizes(ckpt: Checkpoint, quantized: dict[str, QuantSpec], device: torch.device,
+                     dtype: torch.dtype | None) -> bool:
+    """``weights="auto"``: whether to expand the packed matrices to dense float32 at load.
+
+    With float32 activations (the faithful mode, or ``dtype=torch.float32``) a dense float32 matmul is
+    the fastest faithful kernel on a CPU (one 4480x4480 layer, AVX2: 3.3 ms against 22 ms for the
+    int4pack kernel with float32 activations) and on CUDA (whose int4pack kernel takes bf16 only),
+    and one kernel launch instead of a dequantization per call. So on those devices the weights are
+    expanded when every scale is float32 (bf16 scales make the reference sum in bf16, which the
+    packed path reproduces) and the dense float32 matrices take at most a quarter of the device's
+    memory; the 11B model does not fit that rule on a 24 GB machine and stays packed. On MPS the
+    int4pack kernel takes float32 activations and reads a quarter of the bytes: packed. The fast
+    mode (bf16 activations) keeps them packed everywhere.
+    """
+    if not quantized or dtype not in (None, torch.float32) or device.type not in ("cpu", "cuda"):
+        return False
+    dense = 0
+    for path, spec in quantized.items():
+        if ckpt.stored_dtype(f"{path}.scales") != "F32":
+            return False
+        rows, words = ckpt.shape(f"{path}.weight")
+        dense += rows * words * 32 // spec.bits * 4
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return dense <= memory // 4
+
+
+def check_dtype(dtype: torch.dtype | None) -> None:
+    """The modes :func:`load_model` offers: None (faithful), float32, bfloat16 (fast)."""
+    if dtype == torch.float16:
+        raise ValueError("dtype=torch.float16 is not supported: fp16 overflows on the models' activations and "
+                         "mask constants (-1e30), and the reference never computes in it; use torch.bfloat16 for "
+                         "the fast mode, or the default (None) for the faithful one")
+    if dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be None (faithful), torch.float32 or torch.bfloat16 (fast), got {dtype}")
+
+
+def _recast_error(call: str) -> RuntimeError:
+    return RuntimeError(
+        f"model{call}: a loaded model computes in the dtypes load_model chose for it (float32 islands such "
+        f"as the Mamba A and state and the RVQ distance search included), and a cast would round them; "
+        f"load it in the mode you want instead: nvchat_torch.load_model(path, dtype=None) (faithful), "
+        f"dtype=torch.float32, or dtype=torch.bfloat16 (fast)")
 
 
 def load_tokenizer(folder: Path):

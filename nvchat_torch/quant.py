@@ -18,6 +18,7 @@ plain ``nn.Linear``/``nn.Embedding`` into these, so the model code itself stays 
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping
 
 import torch
@@ -237,11 +238,12 @@ class QuantizedEmbedding(_Packed):
 
 
 def int4pack_available(device: torch.device | str) -> bool:
-    """Whether torch has a fused int4 weight-only matmul for ``device``."""
+    """Whether this torch build has a fused int4 weight-only matmul for ``device``. On the CPU it is
+    vectorised for every capability torch dispatches to (AVX2 and AVX-512 alike); whether it computes
+    right on this machine is the one-time self-test's to say (:func:`pack_int4`), not a list of CPUs."""
     device = torch.device(device)
     if device.type == "cpu":
-        return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-                and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"))
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     if device.type in ("mps", "cuda"):
         return hasattr(torch.ops.aten, "_weight_int4pack_mm")
     return False
@@ -298,20 +300,21 @@ def _int4_eligible(m: nn.Module) -> bool:
             and m.spec.group_size in (32, 64, 128) and m.in_features % 64 == 0)
 
 
-def _kernel_agrees(packed: Int4PackedLinear, source: QuantizedLinear) -> bool:
+def _kernel_self_test(packed: Int4PackedLinear, source: QuantizedLinear) -> str | None:
     """One-time check on the device that the fused kernel computes MLX's ``scale*q + bias`` matmul
     (the MPS/CUDA layouts were derived from PyTorch's sources, not run here): a random input against
-    the dequantized weights. A kernel that raises or disagrees is not used."""
+    the dequantized weights. Returns None when it agrees, else why it is not used."""
     x = torch.randn(2, packed.in_features, device=source.weight.device, dtype=packed.dtype,
                     generator=torch.Generator(device=source.weight.device).manual_seed(0))
     try:
         got = packed(x).float()
-    except RuntimeError:
-        return False
+    except RuntimeError as e:
+        return f"the int4pack kernel failed its self-test ({str(e).splitlines()[0]})"
     want = F.linear(x.float(), source.dequantized(torch.float32),
                     None if source.bias is None else source.bias.float())
     tol = 2e-2 if packed.dtype != torch.float32 else 1e-4
-    return bool(((got - want).abs().max() <= tol * want.abs().max().clamp(min=1e-6)).item())
+    err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+    return None if err <= tol else f"the int4pack kernel failed its self-test (relative error {err:.2g} > {tol:g})"
 
 
 def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -323,19 +326,30 @@ def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     The state_dict of a swapped module is no longer in checkpoint layout (a documented
     post-load transform, like fusing QKV).
     """
-    swapped, verified = 0, {}
+    swapped, verified, eligible = 0, {}, 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if not (_int4_eligible(child) and int4pack_available(child.weight.device)):
+            if not _int4_eligible(child):
                 continue
-            kdt = dtype or (torch.float32 if child.weight.device.type == "mps" else torch.bfloat16)
+            eligible += 1
+            device = child.weight.device
+            if not int4pack_available(device):
+                verified[(device.type, None)] = "this torch build has no int4pack kernel for it"
+                continue
+            kdt = dtype or (torch.float32 if device.type == "mps" else torch.bfloat16)
             packed = Int4PackedLinear(child, kdt)
-            key = (child.weight.device.type, kdt)
+            key = (device.type, kdt)
             if key not in verified:
-                verified[key] = _kernel_agrees(packed, child)
-            if verified[key]:
+                verified[key] = _kernel_self_test(packed, child)
+            if verified[key] is None:
                 setattr(module, child_name, packed)
                 swapped += 1
+    failures = {key: why for key, why in verified.items() if why is not None}
+    if failures and swapped < eligible:
+        (device, kdt), why = next(iter(failures.items()))
+        warnings.warn(f"4-bit linears on {device}{f' ({kdt} activations)' if kdt else ''}: {why}; {eligible - swapped} "
+                      "of them dequantize their weights on every call instead, which is correct but several "
+                      "times slower on a large model (see model.describe())", RuntimeWarning, stacklevel=2)
     return swapped
 
 

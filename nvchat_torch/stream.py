@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # default: the faithful mode (weights as stored); float16 is refused
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(offline=False)
     p.add_argument("--profile", action="store_true", help="print per-stage timings and the real-time factor")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: mps > cuda > cpu)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="model dtype (default: per device, see docs)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 (every weight upcast) or bfloat16 (the fast mode); default: the faithful mode, "
+                        "weights as stored (docs/parity.md)")
     p.add_argument("--weights", default="auto", choices=("auto", "packed", "dequantized"),
                    help="keep quantized weights packed or expand them")
     p.add_argument("--seed", type=int, default=0)

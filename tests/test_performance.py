@@ -28,9 +28,9 @@ def deep_q4(make_checkpoint):
     return make_checkpoint(seed=0, bits=4, preset="deep")
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["sampling", "deterministic"])
-def test_steady_state_frame_reads_the_host_once_and_stays_under_2500_ops(deep_q4, deterministic):
-    model = nv.load_model(deep_q4, device="cpu", dtype=torch.float32)
+def steady_state_frame(path, deterministic: bool) -> tuple[int, int]:
+    """(host reads, non-view ATen ops) of the 11th frame of a session on ``path`` in the default mode."""
+    model = nv.load_model(path, device="cpu")
     assert model.stt_model.llm.layers.__len__() == 56 and len(model.stt_model.perception.encoder.layers) == 24
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT,
                                                                  deterministic=deterministic))
@@ -39,8 +39,16 @@ def test_steady_state_frame_reads_the_host_once_and_stays_under_2500_ops(deep_q4
     with count_host_reads() as reads, OpCounter() as ops:
         events = session.push_audio(wave[10 * 1280:11 * 1280], 16000)
     assert [e.kind for e in events][-1] == "audio"  # the frame really ran
-    assert sum(reads.values()) <= 2, reads
-    assert ops.non_view <= 2500, ops.ops.most_common(10)
+    return sum(reads.values()), ops.non_view
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampling", "deterministic"])
+def test_steady_state_frame_reads_the_host_once_and_stays_under_2500_ops(deep_q4, deterministic):
+    reads, ops = steady_state_frame(deep_q4, deterministic)
+    assert reads <= 1
+    assert ops <= 2500
+    model = nv.load_model(deep_q4, device="cpu")
+    wave = synth_audio(1.2)
     # the counters count: the offline path reads the host and runs many more ops
     with count_host_reads() as reads:
         model.generate(wave[:2560], deterministic=True)
@@ -62,13 +70,31 @@ def test_deep_model_streams_like_the_reference(deep_q4, reference):
         [(e.kind, e.frame_index, e.delta) for e in ref_events if e.kind != "audio"]
 
 
+_OTHER_CAPABILITY = {"AVX512": "avx2", "AVX512_BF16": "avx2", "AMX": "avx2"}.get(
+    torch.backends.cpu.get_cpu_capability(), "default")
+
+
+def test_the_op_budget_holds_under_another_cpu_capability(deep_q4):
+    """CI gets an AVX-512 Intel or an AVX2-only AMD: the budget must hold for both, so the check also
+    runs under the dispatch the machine does not have (AVX2 on AVX-512; the plain one on AVX2)."""
+    code = ("import sys, json; sys.path.insert(0, 'tests'); import torch; torch.set_num_threads(1);"
+            "from test_performance import steady_state_frame;"
+            f"print(json.dumps([torch.backends.cpu.get_cpu_capability(), *steady_state_frame({str(deep_q4)!r}, True)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "ATEN_CPU_CAPABILITY": _OTHER_CAPABILITY})
+    assert proc.returncode == 0, proc.stderr
+    capability, reads, ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert capability.lower() == _OTHER_CAPABILITY
+    assert reads <= 1 and ops <= 2500, (capability, reads, ops)
+
+
 def test_full_size_memory_as_loaded():
-    """Bytes of the 11B model as loaded, from the model built on ``meta`` (nothing allocated)."""
-    assert 22.0e9 < full_size_bytes() < 22.4e9  # 11.1 B parameters, 2 bytes each
-    assert 44.0e9 < full_size_bytes(dtype=torch.float32) < 44.8e9
+    """Bytes of the 11B model as load_model returns it (every post-load transform applied), built on
+    ``meta`` (nothing allocated)."""
+    assert 22.0e9 < full_size_bytes() < 22.8e9  # 11.1 B parameters, 2 bytes each, and the derived tables
     four = full_size_bytes(4)
-    assert four <= 10e9 and 8.4e9 < four < 8.8e9
-    assert 13.0e9 < full_size_bytes(8) < 13.6e9
+    assert 8.6e9 < four <= 9.0e9
+    assert 13.2e9 < full_size_bytes(8) < 13.8e9
 
 
 def test_checkpoints_we_write_are_read_by_the_reference(tmp_path, reference):

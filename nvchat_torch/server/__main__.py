@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or Hub repo id (default: the embedded tiny random model)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: mps > cuda > cpu)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="model dtype (default: per device, see docs)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 (every weight upcast) or bfloat16 (the fast mode); default: the faithful mode")
     p.add_argument("--weights", default="auto", choices=("auto", "packed", "dequantized"),
                    help="keep quantized weights packed or expand them")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
