@@ -107,13 +107,18 @@ def test_offline_matches_reference(request, reference, wave, kind):
     for prompt in (PROMPT, ""):
         want = ref.session.generate(mx.array(wave), system_prompt=prompt, seed=0)
         got = model.generate(wave, system_prompt=prompt, seed=0, deterministic=True)
-        np.testing.assert_array_equal(got.text_ids, np.array(want.text_tokens))
-        np.testing.assert_array_equal(got.function_ids, np.array(want.function_tokens))
-        np.testing.assert_array_equal(got.audio_codes, np.array(want.audio_codes))
-        assert got.text == want.text
-        assert got.user_transcript == want.user_transcript
-        assert got.audio.shape == (len(got.text_ids) * 1764,)
+        assert_same_offline(got, want)
         np.testing.assert_allclose(got.audio, np.array(want.audio), atol=1e-3, rtol=0)
+
+
+def assert_same_offline(got, want) -> None:
+    """An offline turn's discrete outputs identical to the reference's ``generate``."""
+    np.testing.assert_array_equal(got.text_ids, np.array(want.text_tokens))
+    np.testing.assert_array_equal(got.function_ids, np.array(want.function_tokens))
+    np.testing.assert_array_equal(got.audio_codes, np.array(want.audio_codes))
+    assert got.text == want.text
+    assert got.user_transcript == want.user_transcript
+    assert got.audio.shape == (len(got.text_ids) * 1764,)
 
 
 def test_uncached_paths_match_the_reference_and_the_cached_path(reference, ckpt_f32, tiny_model, wave):
