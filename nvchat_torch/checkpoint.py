@@ -13,9 +13,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
+from torch import nn
 
 from .config import ConfigError, QuantSpec, VoiceChatConfig
 from .quant import dequantize
@@ -26,10 +27,27 @@ __all__ = [
     "resolve_checkpoint",
     "load_checkpoint",
     "KEEP_FLOAT32",
+    "cast",
 ]
 
 # Tensors the reference keeps in float32 whatever the load dtype (its cast predicate).
 KEEP_FLOAT32 = ("A_log",)
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def cast(module: M, *args: Any, **kwargs: Any) -> M:
+    """``module.to(*args, **kwargs)`` as the reference casts a model: the parameters named in
+    :data:`KEEP_FLOAT32` keep float32 (they move, they are not rounded). Like any cast it also rounds
+    the module's float32 constants: call ``init_constants`` on it afterwards."""
+    kept = {name: p.data for name, p in module.named_parameters()
+            if name.endswith(KEEP_FLOAT32) and p.dtype == torch.float32}
+    nn.Module.to(module, *args, **kwargs)
+    for name, data in kept.items():
+        parameter = module.get_parameter(name)
+        parameter.data = data.to(parameter.device)
+    return module
+
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "special_tokens_map.json", "rnnt_tokenizer/*"]
 

@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CodecConfig
-from .layers import REDUCED, Conv1d, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus, var_last
+from .layers import (REDUCED, Conv1d, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus, swap_modules,
+                     var_last)
 
-__all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer"]
+__all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer",
+           "StackedCodebooks"]
 
 MAX_MAGNITUDE = 100.0  # the spectral head's magnitude ceiling: |X| = 100 * sigmoid(logit - ln 100)
 ENVELOPE_FLOOR = 1e-10  # guard of the window-square overlap-add normalisation
@@ -154,53 +156,37 @@ class ResidualVectorQuantizer(nn.Module):
     def __init__(self, config: CodecConfig):
         super().__init__()
         self.codebook_size = config.codebook_size
+        self.num_quantizers = config.num_quantizers
         self.mus_list = nn.ParameterList(
             [torch.zeros(config.codebook_size, config.latent_dim) for _ in range(config.num_quantizers)])
         self._variance_list = nn.ModuleList([ScalarVariance() for _ in range(config.num_quantizers)])
-        # Set by fuse(): all codebooks as one [Q, K, D] tensor (mus_list.{q} become views of it).
-        self.register_buffer("codebooks", None, persistent=False)
-        self.register_buffer("code_offsets", None, persistent=False)
 
-    def fuse(self) -> None:
-        """Stack the codebooks into one tensor and re-point each ``mus_list.{q}`` at a view of it.
+    def codebook(self, q: int) -> torch.Tensor:
+        """Codebook ``q``, ``[codebook_size, latent_dim]``."""
+        return self.mus_list[q]
 
-        Keys, shapes and memory stay the same; decoding becomes one gather and one sum instead of
-        one gather per quantizer. A later ``load_state_dict`` (without ``assign``) writes through the
-        views; a move or cast (``.to()``) stacks them again.
-        """
-        stacked = torch.stack([p.detach() for p in self.mus_list])
-        for q in range(len(self.mus_list)):
-            self.mus_list[q] = nn.Parameter(stacked[q], requires_grad=self.mus_list[q].requires_grad)
-        self.codebooks = stacked
-        self.code_offsets = torch.arange(len(self.mus_list), device=stacked.device)[:, None] * self.codebook_size
-
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
-        if self.codebooks is not None:  # the move copied each view on its own: share one tensor again
-            self.fuse()
-        return self
+    def rows(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, Q', T]`` codes -> their codebook rows ``[B, Q', T, D]``."""
+        return torch.stack([self.mus_list[q][codes[:, q]] for q in range(codes.shape[1])], dim=1)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """``[B, Q', T]`` codes (Q' <= Q) -> ``[B, T, D]`` latents, the sum of each frame's codebook rows,
         in the codebook dtype."""
-        n_codes = codes.shape[1]
-        if self.codebooks is not None:
-            rows = self.codebooks.flatten(0, 1)[codes + self.code_offsets[:n_codes]]
-        else:
-            rows = torch.stack([self.mus_list[q][codes[:, q]] for q in range(n_codes)], dim=1)
+        rows = self.rows(codes)
         if rows.dtype in REDUCED:  # the reference adds the rows one at a time, each sum rounded
             total = rows[:, 0]
-            for q in range(1, n_codes):
+            for q in range(1, rows.shape[1]):
                 total = total + rows[:, q]
             return total
-        return rows.sum(1)  # [B, Q', T, D] -> [B, T, D]: one reduction, so fused and unfused agree bit for bit
+        return rows.sum(1)  # [B, Q', T, D] -> [B, T, D]: one reduction, so stacked and separate agree bit for bit
 
     def encode(self, latents: torch.Tensor) -> torch.Tensor:
         """``[B, T, D]`` latents -> ``[B, Q, T]`` codes: greedy nearest codebook row of the residual, per
         quantizer in turn, in float32 (distance ``|r|^2 - 2 r.e + |e|^2``, as the reference)."""
         residual = latents.float()
         codes = []
-        for stored in self.mus_list:
+        for q in range(self.num_quantizers):
+            stored = self.codebook(q)
             means = stored.float()
             # |e|^2 in the codebook's dtype (bf16: rounded products, float32 sum, one rounding), as the reference.
             sq_norms = (stored * stored).sum(-1, dtype=torch.float32).to(stored.dtype).float()
@@ -209,6 +195,26 @@ class ResidualVectorQuantizer(nn.Module):
             codes.append(index)
             residual = residual - means[index]
         return torch.stack(codes, dim=1)
+
+
+class StackedCodebooks(ResidualVectorQuantizer):
+    """``prepare()``'s swap for :class:`ResidualVectorQuantizer`: the codebooks as one ``[Q, K, D]``
+    parameter (``codebooks``, in place of ``mus_list``; the same bytes), so a frame's rows are one
+    gather instead of one per quantizer."""
+
+    def __init__(self, rvq: ResidualVectorQuantizer):
+        adopt(self, rvq)
+        stacked = torch.stack([p.detach() for p in rvq.mus_list])
+        del self.mus_list
+        self.codebooks = nn.Parameter(stacked, requires_grad=False)
+        self.register_buffer("code_offsets", torch.arange(self.num_quantizers, device=stacked.device)[:, None]
+                             * self.codebook_size, persistent=False)
+
+    def codebook(self, q: int) -> torch.Tensor:
+        return self.codebooks[q]
+
+    def rows(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.codebooks.flatten(0, 1)[codes + self.code_offsets[:codes.shape[1]]]
 
 
 @dataclass
@@ -294,15 +300,9 @@ class Codec(nn.Module):
         step_frames = self.samples_per_frame // self.config.hop_length + self.spectrum_context
         self.register_buffer("step_envelope", self._envelope(step_frames), persistent=False)
 
-    def _apply(self, fn, recurse: bool = True):
-        # .to(dtype) / .half() would round the constants: recreate them in float32 after any move or cast.
-        super()._apply(fn, recurse)
-        self.init_constants(self.window.device)
-        return self
-
     def fuse(self) -> None:
-        """Vectorise the RVQ sum (see ``ResidualVectorQuantizer.fuse``); outputs, keys and memory are unchanged."""
-        self.prvq.fuse()
+        """Post-load transform: the codebooks stacked (:class:`StackedCodebooks`); outputs and memory unchanged."""
+        swap_modules(self, ResidualVectorQuantizer, StackedCodebooks)
 
     # ---- spectral head and iSTFT (float32)
 
@@ -391,7 +391,7 @@ class Codec(nn.Module):
 
     def new_cache(self, batch: int = 1) -> CodecCache:
         """A zeroed streaming cache on the codec's device."""
-        first = self.prvq.mus_list[0]
+        first = self.prvq.codebook(0)
         blocks = [torch.zeros(batch, block.dwconv.in_channels, block.context, dtype=first.dtype, device=first.device)
                   for block in self.decoder.blocks]
         spectrum = torch.zeros(batch, 2 * self.bins, self.spectrum_context, device=first.device)

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
-           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise"]
+           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise", "adopt", "swap_modules"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -176,3 +177,32 @@ def var_last(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """Biased variance over the last axis, kept, given its :func:`mean_last`: ``mean((x - mean)^2)``."""
     centred = x - mean
     return mean_last(centred * centred)
+
+
+# --------------------------------------------------------------------------------------
+# Post-load transforms as module swaps
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def adopt(module: nn.Module, original: nn.Module) -> None:
+    """Start ``module``, an instance of a swap class (a subclass of ``type(original)``), as a shallow
+    copy of ``original``: the same attributes, parameters, buffers and children, no tensor copied.
+    The swap class's ``__init__`` then changes what its transform changes."""
+    module.__dict__.update({key: value.copy() if isinstance(value, (dict, set)) else value
+                            for key, value in vars(original).items()})
+
+
+def swap_modules(root: nn.Module, original: type[M], make: Callable[[M], nn.Module]) -> int:
+    """Replace every submodule of ``root`` whose type is exactly ``original`` by ``make(module)``.
+
+    The post-load transforms (``VoiceChatModel.prepare``) are such swaps: each swap class sits beside
+    the class it replaces and overrides only the methods its precomputed layout speeds up. Returns
+    the number of modules swapped."""
+    count = 0
+    for name, module in list(root.named_modules()):
+        if name and type(module) is original:
+            parent, _, attribute = name.rpartition(".")
+            setattr(root.get_submodule(parent), attribute, make(module))
+            count += 1
+    return count

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, cast, resolve_checkpoint
 from .config import QuantSpec, VoiceChatConfig
 from .diagnostics import model_bytes
 from .conformer import Perception
@@ -125,12 +125,13 @@ class VoiceChatModel(nn.Module):
         return self.requires_grad_(False)  # the fused modules' new parameters too
 
     # ---- casts. A prepared model computes in the dtypes load_model chose, so it refuses a cast that
-    # would round its float32 islands; an unprepared one is a plain module (cast it, then
-    # set_activation_dtype, init_constants and prepare, as load_tiny_model does).
+    # would round its float32 islands. An unprepared one casts as the reference casts a model (A_log
+    # stays float32, see checkpoint.cast); then call set_activation_dtype, init_constants (the cast
+    # rounded the float32 constants too) and prepare, as load_tiny_model does.
     def to(self, *args, **kwargs):  # type: ignore[override]
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if not self.prepared:
-            return super().to(*args, **kwargs)
+            return cast(self, *args, **kwargs)
         if dtype is not None and dtype != self.dtype:
             raise _recast_error(f".to({dtype})")
         if device is None or torch.device(device) == self.device:
@@ -141,25 +142,22 @@ class VoiceChatModel(nn.Module):
                                f"nvchat_torch.load_model(path, device={str(device)!r})")
         return super().to(device=device)
 
-    def half(self):  # type: ignore[override]
-        if not self.prepared:
-            return super().half()
-        raise _recast_error(".half()")
+    def _cast(self, dtype: torch.dtype, call: str) -> "VoiceChatModel":
+        if self.prepared:
+            raise _recast_error(call)
+        return cast(self, dtype)
 
-    def bfloat16(self):  # type: ignore[override]
-        if not self.prepared:
-            return super().bfloat16()
-        raise _recast_error(".bfloat16()")
+    def half(self) -> "VoiceChatModel":  # type: ignore[override]
+        return self._cast(torch.float16, ".half()")
 
-    def float(self):  # type: ignore[override]
-        if not self.prepared:
-            return super().float()
-        raise _recast_error(".float()")
+    def bfloat16(self) -> "VoiceChatModel":  # type: ignore[override]
+        return self._cast(torch.bfloat16, ".bfloat16()")
 
-    def double(self):  # type: ignore[override]
-        if not self.prepared:
-            return super().double()
-        raise _recast_error(".double()")
+    def float(self) -> "VoiceChatModel":  # type: ignore[override]
+        return self._cast(torch.float32, ".float()")
+
+    def double(self) -> "VoiceChatModel":  # type: ignore[override]
+        return self._cast(torch.float64, ".double()")
 
     def int4_packed(self) -> bool:
         return any(isinstance(m, Int4PackedLinear) for m in self.modules())

@@ -16,7 +16,8 @@ run in bf16.
 * KV cache: the first write sets the buffer dtype (MLX allocates on the first update); later
   writes are rounded to the buffer dtype, until the buffer grows by a 256-slot block, which
   promotes it (MLX concatenates the new block).
-* ``A_log`` stays float32 whatever the model dtype (``.to(dtype)`` leaves it alone).
+* ``A_log`` stays float32 whatever the model dtype (the loader keeps it, and so does
+  :func:`~nvchat_torch.checkpoint.cast`, the reference's cast of a model).
 """
 
 from __future__ import annotations
@@ -247,14 +248,6 @@ class NemotronHMamba2Mixer(nn.Module):
     def fuse(self) -> None:
         """Precompute ``A = -exp(A_log)`` (float32); apply after loading and after any ``.to()``."""
         self.A = -torch.exp(self.A_log.detach().float())
-
-    def _apply(self, fn, recurse=True):
-        # A_log stays float32 whatever the model dtype, as in the reference (its cast predicate).
-        a_log = self.A_log.data
-        super()._apply(fn, recurse)
-        if a_log.dtype == torch.float32 and self.A_log.dtype != torch.float32:
-            self.A_log.data = a_log.to(self.A_log.device)
-        return self
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Some Nemotron-H exports pad in_proj with 2*d_mlp unused leading rows; adopt the stored width

@@ -126,9 +126,9 @@ class Rotary(nn.Module):
     """Rotate-half RoPE over all ``dim`` channels, from float32 tables indexed by position.
 
     ``sin`` is stored with the sign of the rotation folded in (``[-sin, sin]``), so applying it is
-    ``x * cos + swap_halves(x) * sin``, computed in float32. The tables are constants: recreated in float32 by
-    ``init_constants`` and after any ``.to()``, sized by :meth:`reserve` when the model is built or loaded,
-    never while a session steps (sessions share them).
+    ``x * cos + swap_halves(x) * sin``, computed in float32. The tables are constants: made in float32 by
+    ``init_constants`` (call it again after casting the module), sized by :meth:`reserve` when the model is
+    built or loaded, never while a session steps (sessions share them).
     """
 
     def __init__(self, dim: int, base: float, positions: int = ROPE_POSITIONS):
@@ -145,11 +145,6 @@ class Rotary(nn.Module):
         self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], dim=-1), persistent=False)
         # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation()).
         self.register_buffer("swap", torch.roll(torch.eye(self.dim, device=device), half, dims=0), persistent=False)
-
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
-        self.init_constants(self.cos.device, self.cos.shape[0])
-        return self
 
     def rotation(self, position: int, dtype: torch.dtype) -> torch.Tensor:
         """RoPE at one ``position`` as a matrix ``M [dim, dim]``: ``x @ M`` rotates ``x`` (3 ops, shared by
