@@ -25,6 +25,7 @@ from .events import (
     VoiceChatProfile,
     VoiceChatResult,
 )
+from .layers import REDUCED
 from .nemotron_h import fused_input, language_heads
 from .rnnt import TranscriptText
 from .tools import ToolChannel, render_system_prompt
@@ -80,7 +81,12 @@ class _Timeline:
             return
         pad = self.pad.expand(1, n)
         fused = fused_input(self.embed, pad, user, pad, self.config.function_channel_weight)
-        if self.language_cache is not None:
+        if self.language_cache is not None and fused.dtype in REDUCED:
+            # bf16 prompt embeddings (a bf16 checkpoint): the reference steps its bf16 prefill one token
+            # at a time, and a chunked scan would round differently, so step as it does.
+            for t in range(n):
+                hidden = self.llm.forward_step(fused[:, t:t + 1], self.language_cache)
+        elif self.language_cache is not None:
             hidden = self.llm(fused, self.language_cache)
         else:
             self.history.append(fused)
