@@ -54,7 +54,7 @@ def assert_same_stream(ours: dict, ref: dict) -> None:
 
 def test_default_load_keeps_the_stored_dtypes(layout):
     name, path = layout
-    model = nv.load_model(path, device="cpu", prepare=False)
+    model = nv.load_model(path, device="cpu", prepare=False, weights="packed")
     assert model.dtype == torch.float32  # activations
     enc = model.stt_model.perception.encoder
     assert enc.layers[0].feed_forward1.linear1.weight.dtype == torch.bfloat16
@@ -70,6 +70,9 @@ def test_default_load_keeps_the_stored_dtypes(layout):
     with Checkpoint(path) as ckpt:
         stored = {key: ckpt.get(key).dtype for key in ckpt.keys()}
     assert {key: state[key].dtype for key in stored} == stored
+    # weights="auto" on a CPU expands the float32-scale matrices to float32, as MLX dequantizes them
+    auto = nv.load_model(path, device="cpu", prepare=False).stt_model.llm.layers[0].mixer.in_proj
+    assert auto.weight.dtype == (torch.bfloat16 if name == "bf16" else torch.float32)
 
 
 def test_streaming_matches_reference(layout, reference, wave):
