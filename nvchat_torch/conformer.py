@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AudioConfig, ConformerConfig
-from .layers import Conv1d, Conv2d, LayerNorm, Linear, promoted
+from .layers import Conv1d, Conv2d, LayerNorm, Linear, adopt, promoted, swap_modules
 from .layers import linear as promoted_linear
 from .mel import LogMel
 from .quant import concat_linears
 
-__all__ = ["FastConformer", "ConformerCache", "Perception", "relative_positions"]
+__all__ = ["FastConformer", "ConformerCache", "Perception", "RelPositionAttention", "FusedRelPositionAttention",
+           "relative_positions"]
 
 # Blocked attention entries get a large finite negative, as in the reference (not -inf).
 _MASKED = -1e30
@@ -91,41 +92,28 @@ class RelPositionAttention(nn.Module):
         self.linear_pos = Linear(d_model, d_model, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.head_dim))
         self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.head_dim))
-        # Set by fuse(stream_pos): linear_pos of the streaming distance table per head, twice over
-        # ([heads, head_dim, 2W]), so the frame's rotation of it is a slice, not a roll + projection.
-        self.register_buffer("pos_table", None, persistent=False)
 
-    def fuse(self, stream_pos: torch.Tensor) -> None:
-        """One matmul for q + u, q + v, k and v: linear_q appears twice in the fused weight and the
-        position biases u, v join its bias, so the per-step bias additions disappear too. Also
-        precompute ``pos_table`` from ``stream_pos`` (the encoder's streaming distance table, in the
-        activation dtype, which the table and the fused bias take: q + u is computed there)."""
-        projected = self.linear_pos(stream_pos)  # [W, d]
-        table = projected.view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
-        self.pos_table = torch.cat([table, table], dim=-1).detach().contiguous()
-        if hasattr(self, "linear_quvkv"):
-            return
-        fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
-        dtype = promoted(stream_pos, fused.weight)
-        bias = fused.weight.new_zeros(fused.weight.shape[0], dtype=dtype) if fused.bias is None else fused.bias.data.to(dtype)
-        bias[: 2 * self.d_model] += torch.cat([self.pos_bias_u.flatten(), self.pos_bias_v.flatten()]).to(dtype)
-        fused.bias = nn.Parameter(bias)
-        self.linear_quvkv = fused
-        del self.linear_q, self.linear_k, self.linear_v, self.pos_bias_u, self.pos_bias_v
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(q + u, q + v, k|v)`` for x [..., d]; the last is [..., 2d], keys then values."""
-        if hasattr(self, "linear_quvkv"):
-            return self.linear_quvkv(x).split([self.d_model, self.d_model, 2 * self.d_model], dim=-1)
         q = self.linear_q(x)
         return (q + self.pos_bias_u.flatten(), q + self.pos_bias_v.flatten(),
                 torch.cat([self.linear_k(x), self.linear_v(x)], dim=-1))
+
+    def position_scores(self, q_v: torch.Tensor, slot: int, length: int, stream_pos: torch.Tensor) -> torch.Tensor:
+        """The position term of a step's scores, ``[H, 1, length]``, for ``q_v`` ``[H, 1, hd]``.
+
+        ``stream_pos`` [W, d] is the encoder's streaming distance table (pre-multiplied by the score
+        scale); rolled by ``slot`` it gives each ring slot the distance of the frame it holds.
+        ``(q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s``: the query is projected, not the window."""
+        pos = torch.roll(stream_pos, slot, dims=0)[:length].to(q_v.dtype)
+        w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
+        return torch.bmm(q_v, w_pos.to(q_v.dtype)) @ pos.T
 
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; pos_emb [2T-1, d] for positions T-1 ... -(T-1); mask additive [T, T]."""
         b, t, d = x.shape
         heads = (b, t, self.n_heads, self.head_dim)
-        q_u, q_v, kv = self._project(x)
+        q_u, q_v, kv = self.project(x)
         q_u, q_v = q_u.reshape(heads).transpose(1, 2), q_v.reshape(heads).transpose(1, 2)
         k, v = kv.reshape(b, t, 2, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         p = self.linear_pos(pos_emb).view(-1, self.n_heads, self.head_dim).transpose(0, 1)  # [H, 2T-1, hd]
@@ -139,27 +127,49 @@ class RelPositionAttention(nn.Module):
         return self.linear_out(out.transpose(1, 2).reshape(b, t, d))
 
     def forward_step(self, x: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-                     pos: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+                     stream_pos: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """One frame x [1, 1, d] against the cached window.
 
         ``kv`` [2, H, W, hd] is this layer's key/value ring buffer; the new frame is written at
-        ``slot`` and slots ``[:length]`` are attended. ``pos`` [length, d] holds, for each slot,
-        the sinusoid of its distance to the new frame, pre-multiplied by the score scale.
+        ``slot`` and slots ``[:length]`` are attended (see :meth:`position_scores` for ``stream_pos``).
         Returns ``residual + attention(x)``.
         """
-        q_u, q_v, kv_new = self._project(x)
+        q_u, q_v, kv_new = self.project(x)
         kv[:, :, slot] = kv_new.view(2, self.n_heads, self.head_dim)
         q_v = q_v.view(self.n_heads, 1, self.head_dim)
-        if self.pos_table is not None:  # fused: slot j's distance row of the precomputed table
-            window = self.pos_table.shape[-1] // 2
-            bias = torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])  # [H, 1, length]
-        else:
-            # (q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s: project the query, not the window.
-            w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
-            bias = torch.bmm(q_v, w_pos.to(q_v.dtype)) @ pos.T  # [H, 1, length]
+        bias = self.position_scores(q_v, slot, length, stream_pos)  # [H, 1, length]
         out = F.scaled_dot_product_attention(q_u.view(self.n_heads, 1, self.head_dim), kv[0, :, :length],
                                              kv[1, :, :length], attn_mask=bias, scale=self.scale)
         return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
+
+
+class FusedRelPositionAttention(RelPositionAttention):
+    """``prepare()``'s swap for :class:`RelPositionAttention`: one matmul for q + u, q + v, k and v
+    (``linear_quvkv``: linear_q appears twice in its weight and the position biases u, v join its
+    bias, so the per-step bias additions disappear too), and ``pos_table``, ``linear_pos`` of the
+    streaming distance table per head, twice over (``[H, hd, 2W]``), so a frame's rotation of it is
+    a slice, not a roll and a projection."""
+
+    def __init__(self, attention: RelPositionAttention, stream_pos: torch.Tensor):
+        """``stream_pos``: the encoder's streaming distance table in the activation dtype, which the
+        table and the fused bias take (q + u is computed there)."""
+        adopt(self, attention)
+        table = self.linear_pos(stream_pos).view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
+        self.register_buffer("pos_table", torch.cat([table, table], dim=-1).detach().contiguous(), persistent=False)
+        fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
+        dtype = promoted(stream_pos, fused.weight)
+        bias = fused.weight.new_zeros(fused.weight.shape[0], dtype=dtype) if fused.bias is None else fused.bias.data.to(dtype)
+        bias[: 2 * self.d_model] += torch.cat([self.pos_bias_u.flatten(), self.pos_bias_v.flatten()]).to(dtype)
+        fused.bias = nn.Parameter(bias)
+        self.linear_quvkv = fused
+        del self.linear_q, self.linear_k, self.linear_v, self.pos_bias_u, self.pos_bias_v
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear_quvkv(x).split([self.d_model, self.d_model, 2 * self.d_model], dim=-1)
+
+    def position_scores(self, q_v: torch.Tensor, slot: int, length: int, stream_pos: torch.Tensor) -> torch.Tensor:
+        window = self.pos_table.shape[-1] // 2  # slot j's distance row of the precomputed table
+        return torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])
 
 
 class ConvModule(nn.Module):
@@ -217,9 +227,9 @@ class ConformerLayer(nn.Module):
         return self.norm_out(x)
 
     def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, slot: int,
-                     length: int, pos: torch.Tensor | None, conv_slot: int, conv_slots: torch.Tensor) -> torch.Tensor:
+                     length: int, stream_pos: torch.Tensor, conv_slot: int, conv_slots: torch.Tensor) -> torch.Tensor:
         x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, pos, residual=x)
+        x = self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, stream_pos, residual=x)
         x = self.conv.forward_step(self.norm_conv(x), conv_ring, conv_slot, conv_slots, residual=x)
         x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
         return self.norm_out(x)
@@ -315,8 +325,9 @@ class FastConformer(nn.Module):
         self.register_buffer("conv_slots", torch.stack([first, first + kernel], dim=1), persistent=False)
 
     def fuse(self) -> None:
-        for layer in self.layers:
-            layer.self_attn.fuse(self.stream_pos.to(self.activation_dtype))
+        """Post-load transform (outputs unchanged): :class:`FusedRelPositionAttention` in every layer."""
+        stream_pos = self.stream_pos.to(self.activation_dtype)
+        swap_modules(self, RelPositionAttention, lambda attention: FusedRelPositionAttention(attention, stream_pos))
 
     def _check_mel(self, mel: torch.Tensor, where: str) -> torch.Tensor:
         if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[2] != self.config.feat_in:
@@ -410,14 +421,11 @@ class FastConformer(nn.Module):
         n = cache.frames
         slots = self.left + 1
         length = min(n + 1, slots)
-        # Slot j holds frame n - ((n - j) mod slots): its distance row is the table rolled by n % slots
-        # (fused layers slice their precomputed projection of it instead).
-        fused = self.layers[0].self_attn.pos_table is not None
-        pos = None if fused else torch.roll(self.stream_pos, n % slots, dims=0)[:length].to(x.dtype)
+        # Slot j holds frame n - ((n - j) mod slots): its distance row is stream_pos rolled by n % slots.
         kernel = self.config.conv_kernel_size
         conv_slots = self.conv_slots[n % kernel]
         for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
-            x = layer.forward_step(x, kv, conv, n % slots, length, pos, n % kernel, conv_slots)
+            x = layer.forward_step(x, kv, conv, n % slots, length, self.stream_pos, n % kernel, conv_slots)
         cache.frames = n + 1
         return x
 

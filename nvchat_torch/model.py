@@ -27,10 +27,10 @@ from .config import QuantSpec, VoiceChatConfig
 from .diagnostics import model_bytes
 from .conformer import Perception
 from .events import StreamingOptions, VoiceChatResult
-from .layers import Linear
+from .layers import Linear, swap_modules
 from .nemotron_h import NemotronHModel, fuse_heads
 from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4, quantize_modules
-from .rnnt import RnntDecoder, RnntJoint, RnntTranscriber
+from .rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
 from .tts import SpeechDecoder, TTSPrompt
 
 __all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
@@ -113,7 +113,7 @@ class VoiceChatModel(nn.Module):
         torch's int4pack kernel where the device has one that passes its self-test (computing in the
         activation dtype: see :func:`~nvchat_torch.quant.pack_int4`)."""
         self.stt_model.perception.fuse()
-        self.stt_model.rnnt_decoder.fuse()
+        swap_modules(self.stt_model, RnntDecoder, FusedRnntDecoder)
         self.stt_model.llm.fuse()
         self.tts_model.fuse()
         if self.fused_heads is None:

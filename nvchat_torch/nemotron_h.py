@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import REDUCED, Linear, silu
-from .quant import QuantizedLinear, concat_linears
+from .layers import REDUCED, Linear, adopt, silu, swap_modules
+from .quant import QuantizedLinear, concat_linears, fuse_linears
 
 __all__ = [
     "MambaCache",
@@ -39,7 +39,9 @@ __all__ = [
     "grown_capacity",
     "LanguageCache",
     "NemotronHMamba2Mixer",
+    "FusedMamba2Mixer",
     "NemotronHAttention",
+    "FusedNemotronHAttention",
     "NemotronHMLP",
     "NemotronHBlock",
     "NemotronHModel",
@@ -237,7 +239,6 @@ class NemotronHMamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.n_groups, config.layer_norm_epsilon)
         self.out_proj = Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
-        self.register_buffer("A", None, persistent=False)  # -exp(A_log), set by fuse()
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -245,9 +246,9 @@ class NemotronHMamba2Mixer(nn.Module):
         first = torch.arange(self.kernel, device=device)
         self.register_buffer("ring_slots", torch.stack([first, first + self.kernel], 1), persistent=False)
 
-    def fuse(self) -> None:
-        """Precompute ``A = -exp(A_log)`` (float32); apply after loading and after any ``.to()``."""
-        self.A = -torch.exp(self.A_log.detach().float())
+    def decay_rates(self) -> torch.Tensor:
+        """``A = -exp(A_log)`` per head, float32."""
+        return -torch.exp(self.A_log.float())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Some Nemotron-H exports pad in_proj with 2*d_mlp unused leading rows; adopt the stored width
@@ -354,7 +355,7 @@ class NemotronHMamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias)
         if self.dt_min is not None or self.dt_max is not None:
             dt = dt.clamp(self.dt_min, self.dt_max)
-        A = -torch.exp(self.A_log.float()) if self.A is None else self.A
+        A = self.decay_rates()
         if cache is not None and L == 1:
             y = self._ssm_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], cache.ssm_state).unsqueeze(1)
         else:
@@ -366,6 +367,17 @@ class NemotronHMamba2Mixer(nn.Module):
         else:
             y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])
         return self.out_proj(self.norm(y.reshape(b, L, self.d_inner), z))
+
+
+class FusedMamba2Mixer(NemotronHMamba2Mixer):
+    """``prepare()``'s swap for :class:`NemotronHMamba2Mixer`: ``A = -exp(A_log)`` computed once."""
+
+    def __init__(self, mixer: NemotronHMamba2Mixer):
+        adopt(self, mixer)
+        self.register_buffer("A", mixer.decay_rates().detach(), persistent=False)
+
+    def decay_rates(self) -> torch.Tensor:
+        return self.A
 
 
 # --------------------------------------------------------------------------------------
@@ -384,21 +396,15 @@ class NemotronHAttention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.qkv_proj: nn.Module | None = None  # set by fuse()
 
-    def fuse(self) -> None:
-        """One QKV matmul instead of three (state_dict keys change: a post-load transform)."""
-        if self.qkv_proj is None:
-            self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
-            del self.q_proj, self.k_proj, self.v_proj
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of ``x``."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, L, _ = x.shape
         kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split((self.num_heads * d, kv * d, kv * d), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
         k = k.view(b, L, kv, d).transpose(1, 2)
         v = v.view(b, L, kv, d).transpose(1, 2)
         if cache is not None:
@@ -414,6 +420,18 @@ class NemotronHAttention(nn.Module):
         probs = scores.softmax(-1, dtype=torch.float32).to(dtype)
         out = (probs @ v.to(dtype)).view(b, kv, rep, L, d).permute(0, 3, 1, 2, 4).reshape(b, L, -1)
         return self.o_proj(out)
+
+
+class FusedNemotronHAttention(NemotronHAttention):
+    """``prepare()``'s swap for :class:`NemotronHAttention`: q/k/v as one matmul (``qkv_proj``)."""
+
+    def __init__(self, attention: NemotronHAttention):
+        adopt(self, attention)
+        fuse_linears(self, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        d = self.head_dim
+        return self.qkv_proj(x).split((self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d), dim=-1)
 
 
 class NemotronHMLP(nn.Module):
@@ -525,11 +543,10 @@ class NemotronHModel(nn.Module):
                 layer.mixer.init_constants(device)
 
     def fuse(self) -> None:
-        """Merge each attention layer's q/k/v projections into one matmul and precompute the Mamba
-        layers' ``A``; outputs are unchanged."""
-        for layer in self.layers:
-            if isinstance(layer.mixer, (NemotronHAttention, NemotronHMamba2Mixer)):
-                layer.mixer.fuse()
+        """Post-load transforms (outputs unchanged): each attention layer's q/k/v as one matmul
+        (:class:`FusedNemotronHAttention`), each Mamba layer's ``A`` precomputed (:class:`FusedMamba2Mixer`)."""
+        swap_modules(self, NemotronHAttention, FusedNemotronHAttention)
+        swap_modules(self, NemotronHMamba2Mixer, FusedMamba2Mixer)
 
 
 # --------------------------------------------------------------------------------------

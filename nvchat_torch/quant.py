@@ -40,6 +40,7 @@ __all__ = [
     "pack_int4",
     "int4pack_available",
     "concat_linears",
+    "fuse_linears",
 ]
 
 # E2M1 values for codes 0..15 (OCP MX spec; -0 kept as 0).
@@ -420,6 +421,13 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module:
             l.bias.data if l.bias is not None else torch.zeros(l.out_features, dtype=ref.dtype, device=ref.device)
             for l in linears]))
     return fused
+
+
+def fuse_linears(module: nn.Module, names: list[str], fused: str) -> None:
+    """Replace ``module``'s linears ``names`` by one, ``fused``, that computes their outputs concatenated."""
+    setattr(module, fused, concat_linears([getattr(module, name) for name in names]))
+    for name in names:
+        delattr(module, name)
 
 
 def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

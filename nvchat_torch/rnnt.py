@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from .config import RnntDecoderConfig, RnntJointConfig
-from .layers import Linear, linear
+from .layers import Linear, adopt, linear
 
-__all__ = ["RnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
+__all__ = ["RnntDecoder", "FusedRnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
            "is_special_piece", "decode_pieces"]
 
 _LANGUAGE_TAG = re.compile(r"^<[a-z]{2,3}-[A-Za-z]{2,4}>$")
@@ -43,9 +43,10 @@ class RnntDecoder(nn.Module):
     embedding row and the weight (bf16 arithmetic, one rounding, in a bf16 checkpoint); the start
     input (a float32 zero vector) gives the bias alone. Everything after that runs in the activation
     dtype. Each step takes those *input gates* (:meth:`input_gates`) and feeds them to the cell as
-    its input bias. :meth:`fuse` precomputes them for every token (and the start), so a step is one
-    gather, and stores the LSTM weights in the activation dtype: the table replaces the embedding
-    and layer 0's input weight (7 MB more than the bf16 weights at full size).
+    its input bias. :class:`FusedRnntDecoder`, swapped in by ``prepare()``, precomputes them for every
+    token (and the start), so a step is one gather, and stores the LSTM weights in the activation
+    dtype: the table replaces the embedding and layer 0's input weight (7 MB more than the bf16
+    weights at full size).
     """
 
     def __init__(self, config: RnntDecoderConfig):
@@ -60,8 +61,6 @@ class RnntDecoder(nn.Module):
                                                       config.pred_rnn_layers, batch_first=True)}),
         })
         self.activation_dtype = torch.float32
-        self.register_buffer("gate_table", None, persistent=False)  # set by fuse(): input gates [vocab + 2, 4H]
-        self.fused = False  # fuse() also stores each cell as buffers cell{k}_{w_ih,w_hh,bias}
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -73,8 +72,6 @@ class RnntDecoder(nn.Module):
 
     def _cell(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(W_ih, W_hh, b_ih + b_hh)`` of ``layer`` in the activation dtype (the biases summed in their own)."""
-        if self.fused:
-            return tuple(getattr(self, f"cell{layer}_{name}") for name in ("w_ih", "w_hh", "bias"))
         lstm, dtype = self.prediction["dec_rnn"]["lstm"], self.activation_dtype
         w_ih, w_hh, b_ih, b_hh = (getattr(lstm, f"{name}_l{layer}")
                                   for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
@@ -82,26 +79,11 @@ class RnntDecoder(nn.Module):
 
     def input_gates(self, tokens: torch.Tensor) -> torch.Tensor:
         """Layer 0's ``x W_ih^T + b`` for ``tokens [N]`` (``self.start``: the zero start input) -> ``[N, 4H]``."""
-        if self.gate_table is not None:
-            return self.gate_table[tokens]
         lstm, dtype = self.prediction["dec_rnn"]["lstm"], self.activation_dtype
         bias = lstm.bias_ih_l0 + lstm.bias_hh_l0
         embedded = self.prediction["embed"](tokens.clamp(max=self.start - 1))
         gates = linear(embedded, lstm.weight_ih_l0, bias).to(dtype)
         return torch.where((tokens == self.start)[:, None], bias.to(dtype), gates)
-
-    def fuse(self) -> None:
-        """Precompute the input gates of every token and store the cells in the activation dtype."""
-        if self.fused:
-            return
-        self.gate_table = self.input_gates(torch.arange(self.start + 1, device=self.zero_input.device)).detach()
-        for layer in range(self.layers):
-            for name, t in zip(("w_ih", "w_hh", "bias"), self._cell(layer)):
-                if layer == 0 and name == "w_ih":  # the gate table replaces it
-                    t = self.zero_weight
-                self.register_buffer(f"cell{layer}_{name}", t.detach(), persistent=False)
-        self.fused = True
-        del self.prediction["embed"], self.prediction["dec_rnn"]
 
     def zero_state(self) -> torch.Tensor:
         return torch.zeros(2 * self.layers, 1, self.hidden, dtype=self.activation_dtype, device=self.zero_input.device)
@@ -131,6 +113,30 @@ class RnntDecoder(nn.Module):
             hc = self.step(gates[u:u + 1], hc)
             outputs.append(hc[self.layers - 1])
         return torch.stack(outputs, dim=1), hc
+
+
+class FusedRnntDecoder(RnntDecoder):
+    """``prepare()``'s swap for :class:`RnntDecoder`: layer 0's input gates precomputed for every token
+    and the start (``gate_table [vocab + 2, 4H]``, so a step's input is one gather), and each cell's
+    weights stored in the activation dtype (buffers ``cell{k}_{w_ih,w_hh,bias}``). The table replaces
+    the embedding and layer 0's input weight."""
+
+    def __init__(self, decoder: RnntDecoder):
+        adopt(self, decoder)
+        tokens = torch.arange(self.start + 1, device=self.zero_input.device)
+        self.register_buffer("gate_table", decoder.input_gates(tokens).detach(), persistent=False)
+        for layer in range(self.layers):
+            for name, t in zip(("w_ih", "w_hh", "bias"), decoder._cell(layer)):
+                if layer == 0 and name == "w_ih":  # the gate table replaces it
+                    t = self.zero_weight
+                self.register_buffer(f"cell{layer}_{name}", t.detach(), persistent=False)
+        del self.prediction
+
+    def _cell(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"cell{layer}_w_ih"), getattr(self, f"cell{layer}_w_hh"), getattr(self, f"cell{layer}_bias")
+
+    def input_gates(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gate_table[tokens]
 
 
 class RnntJoint(nn.Module):

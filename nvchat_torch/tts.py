@@ -26,9 +26,9 @@ from torch import nn
 
 from .codec import Codec
 from .config import CharacterEncoderConfig, CodecConfig, MoGConfig, TTSConfig
-from .layers import REDUCED, Linear, gelu_tanh, matmul, promoted, scalar, sigmoid
+from .layers import REDUCED, Linear, adopt, gelu_tanh, matmul, promoted, scalar, sigmoid, swap_modules
 from .nemotron_h import grown_capacity
-from .quant import concat_linears
+from .quant import fuse_linears
 
 __all__ = [
     "RMSNorm",
@@ -77,20 +77,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.fp32 = fp32
-        self.register_buffer("scale", None, persistent=False)  # ``1 + weight``, set by fuse()
 
     def offset_weight(self) -> torch.Tensor:
         """``1 + weight``: Gemma adds in the weight's dtype (bf16 weights: a bf16 sum, then promoted);
         the offset norms add in float32."""
-        if self.scale is not None:
-            return self.scale
         return 1.0 + (self.weight.float() if self.fp32 else self.weight)
-
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        """Precompute ``1 + weight`` for activations of ``dtype``: the same values, stored in the dtype
-        they are used in (float32, or in the fast mode's bf16 the Gemma norm's own sum)."""
-        scale = self.offset_weight().detach()
-        self.scale = scale.to(torch.promote_types(scale.dtype, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.offset_weight()
@@ -99,27 +90,46 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, weight.to(promoted(x, weight)), self.eps)
 
 
+class PrecomputedRMSNorm(RMSNorm):
+    """``prepare()``'s swap for :class:`RMSNorm`: ``1 + weight`` computed once for activations of
+    ``dtype``, the same values stored in the dtype they are used in (float32, or in the fast mode's
+    bf16 the Gemma norm's own sum)."""
+
+    def __init__(self, norm: RMSNorm, dtype: torch.dtype):
+        adopt(self, norm)
+        scale = norm.offset_weight().detach()
+        self.register_buffer("scale", scale.to(torch.promote_types(scale.dtype, dtype)), persistent=False)
+
+    def offset_weight(self) -> torch.Tensor:
+        return self.scale
+
+
 class GatedMLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))``; fuse() merges gate and up into one matmul."""
+    """``down(gelu_tanh(gate(x)) * up(x))``."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_proj = Linear(dim, hidden, bias=False)
         self.up_proj = Linear(dim, hidden, bias=False)
         self.down_proj = Linear(hidden, dim, bias=False)
-        self.gate_up_proj: nn.Module | None = None
 
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        if self.gate_up_proj is None:
-            self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
-            del self.gate_proj, self.up_proj
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         return self.down_proj(gelu_tanh(gate) * up)
+
+
+class FusedGatedMLP(GatedMLP):
+    """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``)."""
+
+    def __init__(self, mlp: GatedMLP):
+        adopt(self, mlp)
+        fuse_linears(self, ["gate_proj", "up_proj"], "gate_up_proj")
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.gate_up_proj(x).chunk(2, dim=-1)
 
 
 class Rotary(nn.Module):
@@ -177,7 +187,7 @@ class _Attention(nn.Module):
     """q/k/v/o projections without bias, on 2-D activations ``[B * L, dim]``.
 
     Queries and keys come out as one tensor (``[B, L, heads + kv_heads, head_dim]``) so that their
-    normalisation and RoPE run once for both; fuse() merges q, k and v into one matmul (``qkv_proj``).
+    normalisation and RoPE run once for both.
     """
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, scale: float):
@@ -187,22 +197,17 @@ class _Attention(nn.Module):
         self.k_proj = Linear(dim, kv_heads * head_dim, bias=False)
         self.v_proj = Linear(dim, kv_heads * head_dim, bias=False)
         self.o_proj = Linear(heads * head_dim, dim, bias=False)
-        self.qkv_proj: nn.Module | None = None
 
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        if self.qkv_proj is None:
-            self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
-            del self.q_proj, self.k_proj, self.v_proj
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[B * L, dim]`` -> queries and keys ``[B * L, (heads + kv_heads) * head_dim]``, values."""
+        return torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1), self.v_proj(x)
 
     def qk_v(self, x: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B * L, dim]`` -> queries and keys ``[B, L, heads + kv_heads, head_dim]`` (one tensor),
         values ``[B, L, kv_heads, head_dim]``."""
-        qk_heads = self.n_heads + self.n_kv_heads
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(batch, length, qk_heads + self.n_kv_heads, self.head_dim)
-            return qkv[:, :, :qk_heads], qkv[:, :, qk_heads:]
-        qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(batch, length, qk_heads, self.head_dim)
-        return qk, self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        qk, v = self.project(x)
+        return (qk.view(batch, length, self.n_heads + self.n_kv_heads, self.head_dim),
+                v.view(batch, length, self.n_kv_heads, self.head_dim))
 
     def split_heads(self, qk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q ``[B, heads, L, d]``, k and v ``[B, kv_heads, L, d]`` (views)."""
@@ -213,6 +218,18 @@ class _Attention(nn.Module):
         """Attention output ``[B, heads, L, d]`` -> ``o_proj`` ``[B * L, dim]``."""
         B, _, L, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B * L, -1))
+
+
+class FusedQKV(_Attention):
+    """Base of the attention swap classes: q, k and v as one matmul (``qkv_proj``)."""
+
+    def __init__(self, attention: _Attention):
+        adopt(self, attention)
+        fuse_linears(self, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.qkv_proj(x).split([(self.n_heads + self.n_kv_heads) * self.head_dim,
+                                       self.n_kv_heads * self.head_dim], dim=-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -285,18 +302,9 @@ class GemmaAttention(_Attention):
                          config.head_dim, config.query_pre_attn_scalar ** -0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.register_buffer("qk_scale", None, persistent=False)  # set by fuse()
-
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        super().fuse(dtype)
-        for norm in (self.q_norm, self.k_norm):
-            norm.fuse(dtype)
-        self.qk_scale = self.qk_norm_weight().detach()
 
     def qk_norm_weight(self) -> torch.Tensor:
         """``1 + w`` of q_norm per query head, then of k_norm per key head: ``[heads + kv_heads, head_dim]``."""
-        if self.qk_scale is not None:
-            return self.qk_scale
         return torch.cat([self.q_norm.offset_weight().expand(self.n_heads, -1),
                           self.k_norm.offset_weight().expand(self.n_kv_heads, -1)])
 
@@ -323,6 +331,19 @@ class GemmaAttention(_Attention):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_heads != self.n_kv_heads)
         return self.output(out)
+
+
+class FusedGemmaAttention(FusedQKV, GemmaAttention):
+    """``prepare()``'s swap for :class:`GemmaAttention`: one QKV matmul, and the q/k norms' ``1 + w``
+    per head precomputed for activations of ``dtype``."""
+
+    def __init__(self, attention: GemmaAttention, dtype: torch.dtype):
+        super().__init__(attention)
+        scale = attention.qk_norm_weight().detach()
+        self.register_buffer("qk_scale", scale.to(torch.promote_types(scale.dtype, dtype)), persistent=False)
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        return self.qk_scale
 
 
 class GemmaLayer(nn.Module):
@@ -440,6 +461,10 @@ class CharEncoderAttention(_Attention):
         scores = torch.where(valid[:, None, None, :], scores, MASKED_SCORE)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return self.output(matmul(probs, v))
+
+
+class FusedCharEncoderAttention(FusedQKV, CharEncoderAttention):
+    """``prepare()``'s swap for :class:`CharEncoderAttention`: one QKV matmul."""
 
 
 class CharEncoderLayer(nn.Module):
@@ -590,25 +615,30 @@ class GatedFusion(nn.Module):
         self.gate = nn.Parameter(torch.zeros(hidden_size))
         self.residual_scale = nn.Parameter(torch.tensor(0.5))
         self.final_norm = RMSNorm(hidden_size, eps, fp32=True)
-        self.register_buffer("mixing", None, persistent=False)  # set by fuse(): see _mixing()
 
-    def _mixing(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mixing(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``g``, ``1 - g`` and ``s``: the sigmoids in the parameters' dtype (bf16 arithmetic for bf16
         weights), then cast to the activations' ``dtype``, where ``1 - g`` is formed."""
-        if self.mixing is not None:
-            return self.mixing[0], self.mixing[1], self.mixing[2, 0]
         gate = sigmoid(self.gate).to(dtype)
         return gate, 1.0 - gate, sigmoid(self.residual_scale).to(dtype)
 
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        self.final_norm.fuse(dtype)
-        gate, keep, scale = self._mixing(dtype)
-        self.mixing = torch.stack([gate, keep, scale.expand_as(gate)]).detach()
-
     def forward(self, audio: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         audio = self.audio_proj(audio / self.num_codebooks)
-        gate, keep, scale = self._mixing(audio.dtype)
+        gate, keep, scale = self.mixing(audio.dtype)
         return self.final_norm(scale * (gate * audio + keep * self.text_proj(text)))
+
+
+class FusedGatedFusion(GatedFusion):
+    """``prepare()``'s swap for :class:`GatedFusion`: ``g``, ``1 - g`` and ``s`` computed once for
+    activations of ``dtype`` (one ``[3, H]`` buffer)."""
+
+    def __init__(self, fusion: GatedFusion, dtype: torch.dtype):
+        adopt(self, fusion)
+        gate, keep, scale = fusion.mixing(dtype)
+        self.register_buffer("mixed", torch.stack([gate, keep, scale.expand_as(gate)]).detach(), persistent=False)
+
+    def mixing(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.mixed[0], self.mixed[1], self.mixed[2, 0]
 
 
 # --------------------------------------------------------------------------------------
@@ -649,7 +679,6 @@ class MoGHead(nn.Module):
     ``mlp_stack`` (3 residual MLPs + a norm) runs on both rows; guidance mixes the features
     (``c + g (c - u)``); a component k is drawn from ``proj_logits`` (or the most likely one);
     its mean is ``low_mat[k] @ (W_mus[k] @ x) * std + proj_else(x)``, ``std = exp(max(proj_logs(x), min))``.
-    fuse() merges ``proj_logits``, ``proj_logs`` and ``proj_else`` into one matmul.
     """
 
     def __init__(self, hidden_size: int, out_size: int, config: MoGConfig):
@@ -665,16 +694,9 @@ class MoGHead(nn.Module):
         self.proj_logs = Linear(hidden_size, 1, bias=False)
         self.proj_else = Linear(hidden_size, out_size, bias=False)
         self.low_mat = nn.Parameter(torch.zeros(config.num_predictions, out_size, config.low_rank))
-        self.proj_heads: nn.Module | None = None
 
-    def fuse(self, dtype: torch.dtype = torch.float32) -> None:
-        if self.proj_heads is None:
-            self.proj_heads = concat_linears([self.proj_logits, self.proj_logs, self.proj_else])
-            del self.proj_logits, self.proj_logs, self.proj_else
-
-    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.proj_heads is not None:
-            return self.proj_heads(x).split([self.num_predictions, 1, self.out_size], dim=-1)
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Component logits, log std and the rest of the mean."""
         return self.proj_logits(x), self.proj_logs(x), self.proj_else(x)
 
     def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: torch.Generator | None,
@@ -683,7 +705,7 @@ class MoGHead(nn.Module):
         for layer in self.mlp_stack:
             x = layer(x)
         x = torch.lerp(x[1:], x[:1], 1.0 + guidance_scale)  # cond + g (cond - uncond)
-        logits, log_std, rest = self._heads(x)
+        logits, log_std, rest = self.heads(x)
         if deterministic:
             component = logits.argmax(-1)
         else:
@@ -694,6 +716,18 @@ class MoGHead(nn.Module):
         mean = torch.matmul(low, torch.matmul(mus, x[..., None]))  # [1, out, 1]
         std = log_std.clamp(min=self.min_log_std).exp()
         return torch.addcmul(rest, mean.view(1, -1), std), std
+
+
+class FusedMoGHead(MoGHead):
+    """``prepare()``'s swap for :class:`MoGHead`: ``proj_logits``, ``proj_logs`` and ``proj_else`` as one
+    matmul (``proj_heads``)."""
+
+    def __init__(self, head: MoGHead):
+        adopt(self, head)
+        fuse_linears(self, ["proj_logits", "proj_logs", "proj_else"], "proj_heads")
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.proj_heads(x).split([self.num_predictions, 1, self.out_size], dim=-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -755,9 +789,6 @@ class EarTTS(nn.Module):
         self.mog_head = MoGHead(hidden, latent, config.mog_head)
         self.rvq_embs = nn.Parameter(torch.zeros(config.num_quantizers, config.codebook_size, latent))
         self.schedule = _draw_schedule(config)
-        # Set by fuse(): the codebooks in float32 (the parameter itself in a float32 model) and their squared norms.
-        self.register_buffer("rvq_float", None, persistent=False)
-        self.register_buffer("rvq_sq_norms", None, persistent=False)
         # The reference runs the backbone, MoG head and distances in float32 whatever the weights'
         # dtype (its float32 code sums promote them); the opt-in fast mode sets bf16/fp16 here.
         self.activation_dtype = torch.float32
@@ -777,31 +808,12 @@ class EarTTS(nn.Module):
     def new_cache(self) -> TTSCache:
         return self.backbone.new_cache(self.activation_dtype)
 
-    def fuse(self) -> None:
-        """Merge q/k/v, gate/up and the MoG heads into single matmuls, precompute the norms' ``1 + w``
-        and the fusion gates in the activation dtype, keep the codebooks in float32 with their squared
-        norms. Outputs are unchanged. Apply after loading (and after any ``.to()``)."""
-        for module in list(self.modules()):
-            if module is not self and hasattr(module, "fuse"):
-                module.fuse(self.activation_dtype)
-        # float32 codebooks with a zero row for the mask code appended (the depth sum is then a plain
-        # gather + sum). The parameter becomes a view of it, so there is one copy: bf16 codebooks are
-        # stored upcast (exactly; 2 more bytes per entry, 33 MB at full size).
-        books = self.rvq_embs.detach()
-        padded = books.new_zeros(books.shape[0], books.shape[1] + 1, books.shape[2], dtype=torch.float32)
-        padded[:, :-1] = books
-        self.rvq_sq_norms = _squared_norms(books)
-        self.rvq_embs.data = padded[:, :-1]
-        self.rvq_float = padded
-
     # ---- inputs
 
     def depth_sum(self, codes: torch.Tensor) -> torch.Tensor:
         """``[..., Q]`` codes -> ``[..., latent]`` float32 sum of ``rvq_embs[q, code_q]``; the mask
         code (``codebook_size``) adds nothing."""
         mask_code = self.config.codebook_size
-        if self.rvq_float is not None:  # fused: row mask_code is zeros
-            return self.rvq_float[self.quantizer_index, codes].sum(-2)
         rows = self.rvq_embs[self.quantizer_index, codes.clamp(max=mask_code - 1)]
         return torch.where((codes != mask_code)[..., None], rows, 0.0).sum(-2, dtype=torch.float32)
 
@@ -844,6 +856,10 @@ class EarTTS(nn.Module):
 
     # ---- codes
 
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codebooks in float32 ``[Q, K, latent]`` and their squared norms ``[Q, K]`` (see :func:`_squared_norms`)."""
+        return self.rvq_embs.float(), _squared_norms(self.rvq_embs)
+
     def generate_codes(self, hidden: torch.Tensor, generator: torch.Generator | None = None,
                        deterministic: bool = False) -> torch.Tensor:
         """Hidden ``[2, 1, H]`` -> codes ``[1, 1, Q]`` (long) by the iterative MoG schedule.
@@ -855,9 +871,7 @@ class EarTTS(nn.Module):
         """
         config = self.config
         _check_shape("hidden", hidden, (2, 1, config.hidden_size))
-        books, sq_norms = (None, None) if self.rvq_float is None else (self.rvq_float[:, :-1], self.rvq_sq_norms)
-        if books is None:
-            books, sq_norms = self.rvq_embs.float(), _squared_norms(self.rvq_embs)
+        books, sq_norms = self.codebooks()
         hidden = hidden.view(2, -1)
         decided: torch.Tensor | None = None  # float32 [1, latent]: sum of the chosen codebook rows
         picked: list[torch.Tensor] = []
@@ -885,6 +899,28 @@ class EarTTS(nn.Module):
              generator: torch.Generator | None = None, deterministic: bool = False) -> torch.Tensor:
         """One frame: previous codes ``[1, 1, Q]``, text id ``[1]`` -> codes ``[1, 1, Q]``."""
         return self.generate_codes(self.forward_step(prev_codes, text_id, cache), generator, deterministic)
+
+
+class FusedEarTTS(EarTTS):
+    """``prepare()``'s swap for :class:`EarTTS`: the codebooks kept in float32 with a zero row for the
+    mask code appended (``rvq_float [Q, K + 1, latent]``: the depth sum is then a plain gather and
+    sum), and their squared norms. ``rvq_embs`` becomes a view of it, so there is one copy: bf16
+    codebooks are stored upcast (exactly; 2 more bytes per entry, 33 MB at full size)."""
+
+    def __init__(self, tts: EarTTS):
+        adopt(self, tts)
+        books = self.rvq_embs.detach()
+        padded = books.new_zeros(books.shape[0], books.shape[1] + 1, books.shape[2], dtype=torch.float32)
+        padded[:, :-1] = books
+        self.register_buffer("rvq_sq_norms", _squared_norms(books), persistent=False)
+        self.rvq_embs.data = padded[:, :-1]
+        self.register_buffer("rvq_float", padded, persistent=False)
+
+    def depth_sum(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_float[self.quantizer_index, codes].sum(-2)  # row mask_code is zeros
+
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rvq_float[:, :-1], self.rvq_sq_norms
 
 
 # --------------------------------------------------------------------------------------
@@ -916,17 +952,27 @@ class SpeechDecoder(nn.Module):
         self.register_buffer("_control_codes", torch.zeros(3, dtype=torch.int32))
         self.register_buffer("codec_silence_tokens", torch.zeros(tts_config.num_quantizers, dtype=torch.int32))
         self.audio_prompt_latents = PromptLatents(tts_config.hidden_size)
-        self.register_buffer("silence_long", None, persistent=False)  # set by fuse()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         self.tts_model.init_constants(device)
         self.audio_codec.init_constants(device)
 
     def fuse(self) -> None:
-        """Fuse EAR-TTS and the codec (see their ``fuse``); outputs are unchanged. Apply after loading and ``.to()``."""
-        self.tts_model.fuse()
+        """The post-load transforms of EAR-TTS and the codec, as module swaps (outputs unchanged): one
+        matmul for q/k/v, gate/up and the MoG heads, the norms' ``1 + w`` and the fusion gates
+        precomputed in the activation dtype, the codebooks kept in float32 with their squared norms,
+        the codec's codebooks stacked; and the silence codes stored as the long codes a step compares
+        and returns (no conversion per step)."""
+        dtype = self.tts_model.activation_dtype
+        swap_modules(self, RMSNorm, lambda norm: PrecomputedRMSNorm(norm, dtype))
+        swap_modules(self, GatedMLP, FusedGatedMLP)
+        swap_modules(self, GemmaAttention, lambda attention: FusedGemmaAttention(attention, dtype))
+        swap_modules(self, CharEncoderAttention, FusedCharEncoderAttention)
+        swap_modules(self, GatedFusion, lambda fusion: FusedGatedFusion(fusion, dtype))
+        swap_modules(self, MoGHead, FusedMoGHead)
+        swap_modules(self, EarTTS, FusedEarTTS)
         self.audio_codec.fuse()
-        self.silence_long = self.codec_silence_tokens.long()
+        self.codec_silence_tokens = self.codec_silence_tokens.long()
 
     def prompt(self) -> TTSPrompt:
         """The speaker warmup: codes of ``F + 1`` silent codec frames, the first and last of the
@@ -956,9 +1002,7 @@ class SpeechDecoder(nn.Module):
         return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), self.silence_codes(prev_codes.dtype), prev_codes)
 
     def silence_codes(self, dtype: torch.dtype) -> torch.Tensor:
-        """The silence codes in ``dtype`` (long: kept by fuse(), so a step converts nothing)."""
-        if dtype == torch.long and self.silence_long is not None:
-            return self.silence_long
+        """The silence codes in ``dtype``."""
         return self.codec_silence_tokens.to(dtype)
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
