@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
-           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise", "adopt", "swap_modules"]
+           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
+           "adopt", "swap_modules"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -177,6 +178,73 @@ def var_last(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """Biased variance over the last axis, kept, given its :func:`mean_last`: ``mean((x - mean)^2)``."""
     centred = x - mean
     return mean_last(centred * centred)
+
+
+# --------------------------------------------------------------------------------------
+# RMS norms: the plain one (Nemotron-H) and the offset one (Gemma, the TTS's character encoder,
+# fusion and MoG head), whose weight is stored as an offset from one
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting; in
+    bf16 the product is rounded again). In float32 with a float32 weight that is one fused op."""
+    if weight is None or (weight.dtype == x.dtype and x.dtype not in REDUCED):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return y if weight is None else y * weight
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` as :func:`rms_norm` (Nemotron-H)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose weight is an offset from one: ``x / rms(x) * (1 + weight)``.
+
+    The Gemma backbone forms ``1 + weight`` in the weight dtype and normalises in the activation
+    dtype; the reference's ``OffsetRMSNorm`` (character encoder, fusion, MoG head) computes in
+    float32 and casts back (``fp32=True``). Identical in a float32 model.
+    """
+
+    def __init__(self, dim: int, eps: float, fp32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+        self.fp32 = fp32
+
+    def offset_weight(self) -> torch.Tensor:
+        """``1 + weight``: Gemma adds in the weight's dtype (bf16 weights: a bf16 sum, then promoted);
+        the offset norms add in float32."""
+        return 1.0 + (self.weight.float() if self.fp32 else self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.offset_weight()
+        if self.fp32 and x.dtype != torch.float32:  # the offset norms compute in float32 and round once
+            return F.rms_norm(x.float(), self.weight.shape, weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, weight.to(promoted(x, weight)), self.eps)
+
+
+class PrecomputedOffsetRMSNorm(OffsetRMSNorm):
+    """``prepare()``'s swap for :class:`OffsetRMSNorm`: ``1 + weight`` computed once for activations of
+    ``dtype``, the same values stored in the dtype they are used in (float32, or in the fast mode's
+    bf16 the Gemma norm's own sum)."""
+
+    def __init__(self, norm: OffsetRMSNorm, dtype: torch.dtype):
+        adopt(self, norm)
+        scale = norm.offset_weight().detach()
+        self.register_buffer("scale", scale.to(torch.promote_types(scale.dtype, dtype)), persistent=False)
+
+    def offset_weight(self) -> torch.Tensor:
+        return self.scale
+
 
 
 # --------------------------------------------------------------------------------------

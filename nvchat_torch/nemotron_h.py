@@ -4,7 +4,7 @@ Checkpoint prefix ``stt_model.llm``; the fused input (``stt_model.embed_tokens``
 vocabulary heads (``stt_model.lm_head``, ``stt_model.function_head``) sit beside it and are
 served by :func:`fused_input` and :func:`language_heads`.
 
-Dtype policy (the MLX reference's promotion rules, parity traps 5-7). Activations are never
+Dtype policy: the MLX reference's promotion rules, which decide its rounding. Activations are never
 cast to a "model dtype": every op runs in the promoted dtype of its operands, as in MLX, so
 fp32 inputs with bf16 weights run in fp32 (:class:`~nvchat_torch.layers.Linear` promotes; the
 packed ``QuantizedLinear`` dequantizes to the activation dtype), and bf16 inputs with bf16 weights
@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import REDUCED, Linear, adopt, silu, swap_modules
+from .layers import REDUCED, Linear, RMSNorm, adopt, rms_norm, silu, swap_modules
 from .quant import QuantizedLinear, concat_linears, fuse_linears
 
 __all__ = [
+    "RMSNorm",
     "MambaCache",
     "KVCache",
     "grown_capacity",
@@ -53,25 +54,6 @@ __all__ = [
 
 KV_BLOCK = 256  # the KV cache grows by this many slots (MLX KVCache.step)
 SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """MLX ``fast.rms_norm``: normalise in float32, round to x's dtype, then scale (promoting; in
-    bf16 the product is rounded again). In float32 with a float32 weight that is one fused op."""
-    if weight is None or (weight.dtype == x.dtype and x.dtype not in REDUCED):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return y if weight is None else y * weight
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,0 +1,105 @@
+"""The mixture-of-Gaussians head of EAR-TTS (``tts_model.tts_model.mog_head``) and its sampling.
+
+From the backbone's (conditional, unconditional) features it proposes the next latent: guidance
+mixes the two rows, a component is drawn (top-p + Gumbel-max, or the most likely one in the
+deterministic mode), and its low-rank mean and shared std give the proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import MoGConfig
+from .gemma import GatedMLP
+from .layers import Linear, OffsetRMSNorm, adopt, promoted
+from .quant import fuse_linears
+
+__all__ = ["MoGLayer", "MoGHead", "FusedMoGHead", "sample_component"]
+
+GUMBEL_EPS = 1e-8
+
+
+class MoGLayer(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
+        super().__init__()
+        self.pre_norm = OffsetRMSNorm(hidden_size, eps, fp32=True)
+        self.mlp = GatedMLP(hidden_size, intermediate_size)
+        self.post_norm = OffsetRMSNorm(hidden_size, eps, fp32=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_norm(self.mlp(self.pre_norm(x)))
+
+
+def sample_component(logits: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """A draw over the last axis of ``logits`` among the components kept by top-p (the reference's
+    rule: keep k iff the probability mass strictly above k is < ``top_p``).
+
+    Gumbel-max in the form ``argmax(p_k / E_k)`` with ``E_k = -log(u_k)`` exponential (equal to
+    ``argmax(log p_k + g_k)``, g Gumbel), done in the descending order of the probabilities, where
+    top-p is a prefix: no scatter back, one gather of the winner's index.
+    """
+    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
+    if top_p < 1.0:
+        mass_above = probs.cumsum(-1) - probs
+        probs = torch.where(mass_above < top_p, probs, 0.0)
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+    exponential = torch.rsub(torch.log(uniform + GUMBEL_EPS), GUMBEL_EPS)  # -log(u) (guarded)
+    return order.gather(-1, (probs / exponential).argmax(-1, keepdim=True)).squeeze(-1)
+
+
+class MoGHead(nn.Module):
+    """Proposes the next latent from the (conditional, unconditional) features (``mog_head``).
+
+    ``mlp_stack`` (3 residual MLPs + a norm) runs on both rows; guidance mixes the features
+    (``c + g (c - u)``); a component k is drawn from ``proj_logits`` (or the most likely one);
+    its mean is ``low_mat[k] @ (W_mus[k] @ x) * std + proj_else(x)``, ``std = exp(max(proj_logs(x), min))``.
+    """
+
+    def __init__(self, hidden_size: int, out_size: int, config: MoGConfig):
+        super().__init__()
+        self.out_size = out_size
+        self.num_predictions, self.low_rank = config.num_predictions, config.low_rank
+        self.min_log_std = config.min_log_std
+        self.mlp_stack = nn.ModuleList(
+            [MoGLayer(hidden_size, config.intermediate_size, config.eps) for _ in range(config.num_layers)]
+            + [OffsetRMSNorm(hidden_size, config.eps, fp32=True)])
+        self.proj_logits = Linear(hidden_size, config.num_predictions, bias=False)
+        self.proj_mus = Linear(hidden_size, config.num_predictions * config.low_rank, bias=False)
+        self.proj_logs = Linear(hidden_size, 1, bias=False)
+        self.proj_else = Linear(hidden_size, out_size, bias=False)
+        self.low_mat = nn.Parameter(torch.zeros(config.num_predictions, out_size, config.low_rank))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Component logits, log std and the rest of the mean."""
+        return self.proj_logits(x), self.proj_logs(x), self.proj_else(x)
+
+    def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: torch.Generator | None,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [2, H]`` (conditional, unconditional) -> (mean ``[1, out]``, std ``[1, 1]``)."""
+        for layer in self.mlp_stack:
+            x = layer(x)
+        x = torch.lerp(x[1:], x[:1], 1.0 + guidance_scale)  # cond + g (cond - uncond)
+        logits, log_std, rest = self.heads(x)
+        if deterministic:
+            component = logits.argmax(-1)
+        else:
+            component = sample_component(logits, top_p, generator)
+        mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1).index_select(0, component)
+        low = self.low_mat.index_select(0, component)
+        mus, low = mus.to(promoted(x, mus)), low.to(promoted(x, low))  # stored-dtype rows: promoted, as MLX
+        mean = torch.matmul(low, torch.matmul(mus, x[..., None]))  # [1, out, 1]
+        std = log_std.clamp(min=self.min_log_std).exp()
+        return torch.addcmul(rest, mean.view(1, -1), std), std
+
+
+class FusedMoGHead(MoGHead):
+    """``prepare()``'s swap for :class:`MoGHead`: ``proj_logits``, ``proj_logs`` and ``proj_else`` as one
+    matmul (``proj_heads``)."""
+
+    def __init__(self, head: MoGHead):
+        adopt(self, head)
+        fuse_linears(self, ["proj_logits", "proj_logs", "proj_else"], "proj_heads")
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.proj_heads(x).split([self.num_predictions, 1, self.out_size], dim=-1)
