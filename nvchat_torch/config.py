@@ -219,6 +219,8 @@ class VoiceChatConfig:
         self.codec_config.validate()
         _positive(self, "", "input_sample_rate", "output_sample_rate", "frame_duration")
         _check(self.function_channel_weight == self.function_channel_weight, "function_channel_weight", "is NaN")
+        _check(isinstance(self.speaker, str) and self.speaker.isidentifier(), "speaker",
+               f"names the prompt latents' checkpoint key (audio_prompt_latents.<speaker>), got {self.speaker!r}")
         hop = self.audio_config.preprocessor.hop_length
         sub = self.audio_config.encoder.subsampling_factor
         _check(self.input_frame_samples == hop * sub, "frame_duration",

@@ -63,12 +63,12 @@ class VoiceChatModel(nn.Module):
         super().__init__()
         self.config = config
         self.stt_model = DuplexSTTModel(config)
-        self.tts_model = SpeechDecoder(config.tts_config, config.codec_config,
-                                       pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id)
+        self.tts_model = SpeechDecoder(config.tts_config, config.codec_config, pad_token_id=config.pad_token_id,
+                                       eos_token_id=config.eos_token_id, speaker=config.speaker)
         # The TTS timeline is the speaker prompt, then one position per LLM position: its rotary
         # tables are built for all of them now, never while a session steps.
         self.tts_model.tts_model.backbone.reserve_positions(
-            config.text_config.max_position_embeddings + self.tts_model.audio_prompt_latents.Aria.shape[1])
+            config.text_config.max_position_embeddings + self.tts_model.audio_prompt_latents.latents().shape[1])
         self.tokenizer = None
         self.fused_heads: nn.Module | None = None  # set by prepare(): lm_head and function_head as one matmul
         self._tts_prompt: TTSPrompt | None = None

@@ -10,7 +10,7 @@ for classifier-free guidance (the unconditional row's text is ``null_emb``). A G
 backbone advances one position; a mixture-of-Gaussians head then proposes a latent five times
 (the iterative schedule), and each proposal is assigned greedily to the next quantizers.
 
-A session starts with a 37-position warmup (the "Aria" speaker prompt, :meth:`SpeechDecoder.start`)
+A session starts with a 37-position warmup (the speaker prompt, :meth:`SpeechDecoder.start`)
 that fills the key/value caches. Nothing in a step reads a tensor on the host.
 """
 
@@ -249,11 +249,18 @@ class FusedEarTTS(EarTTS):
 
 
 class PromptLatents(nn.Module):
-    """``audio_prompt_latents.Aria``: the speaker's prompt latents ``[1, 37, H]``."""
+    """``audio_prompt_latents.<speaker>``: the speaker's prompt latents ``[1, 37, H]``, stored under the
+    speaker's name (``config.speaker``, "Aria" in the released checkpoints)."""
 
-    def __init__(self, hidden_size: int, frames: int = PROMPT_FRAMES):
+    def __init__(self, hidden_size: int, speaker: str, frames: int = PROMPT_FRAMES):
         super().__init__()
-        self.Aria = nn.Parameter(torch.zeros(1, frames, hidden_size))
+        if not speaker.isidentifier():
+            raise ValueError(f"speaker must be a name usable as a checkpoint key, got {speaker!r}")
+        self.speaker = speaker
+        self.register_parameter(speaker, nn.Parameter(torch.zeros(1, frames, hidden_size)))
+
+    def latents(self) -> torch.Tensor:
+        return self.get_parameter(self.speaker)
 
 
 class SpeechDecoder(nn.Module):
@@ -264,7 +271,7 @@ class SpeechDecoder(nn.Module):
     """
 
     def __init__(self, tts_config: TTSConfig, codec_config: CodecConfig, *,
-                 pad_token_id: int = 12, eos_token_id: int = 2):
+                 pad_token_id: int = 12, eos_token_id: int = 2, speaker: str = "Aria"):
         super().__init__()
         self.config = tts_config
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
@@ -272,7 +279,7 @@ class SpeechDecoder(nn.Module):
         self.tts_model = EarTTS(tts_config)
         self.register_buffer("_control_codes", torch.zeros(3, dtype=torch.int32))
         self.register_buffer("codec_silence_tokens", torch.zeros(tts_config.num_quantizers, dtype=torch.int32))
-        self.audio_prompt_latents = PromptLatents(tts_config.hidden_size)
+        self.audio_prompt_latents = PromptLatents(tts_config.hidden_size, speaker)
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         self.tts_model.init_constants(device)
@@ -298,7 +305,7 @@ class SpeechDecoder(nn.Module):
     def prompt(self) -> TTSPrompt:
         """The speaker warmup: codes of ``F + 1`` silent codec frames, the first and last of the
         first ``F`` set to the mask code; PAD text, encoded at the last two positions; audio at the last."""
-        latents = self.audio_prompt_latents.Aria
+        latents = self.audio_prompt_latents.latents()
         frames, device = latents.shape[1], latents.device
         silence = torch.zeros(1, 1, (frames + 1) * self.audio_codec.samples_per_frame, device=device)
         codes = self.audio_codec.encode(silence).transpose(1, 2)

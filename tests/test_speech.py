@@ -310,3 +310,17 @@ def test_bad_input_is_reported(ckpt_f32, speech):
         fresh.start()
     with pytest.raises(ValueError, match="one-character tokens"):
         fresh.tts_model.set_vocabulary({"a": 0, "b": 1, "ab": 2})
+
+
+def test_the_speaker_names_the_prompt_latents():
+    from nvchat_torch.config import ConfigError
+    from nvchat_torch.model import VoiceChatModel
+    from nvchat_torch.tiny import tiny_config_dict
+
+    values = {**tiny_config_dict(), "speaker": "Nova"}
+    model = VoiceChatModel(VoiceChatConfig.from_dict(values))
+    assert "tts_model.audio_prompt_latents.Nova" in model.state_dict()
+    assert not any(key.endswith("Aria") for key in model.state_dict())
+    assert model.tts_model.audio_prompt_latents.latents().shape == (1, 37, values["tts_config"]["hidden_size"])
+    with pytest.raises(ConfigError, match="'speaker'"):
+        VoiceChatConfig.from_dict({**values, "speaker": "two words"})
