@@ -56,9 +56,7 @@ class _Timeline:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # Seeded before the warmup, as the reference; the warmup itself draws nothing.
-        self.tts_cache = model.tts_model.tts_model.new_cache()
-        model.tts_model.tts_model.warmup(model.tts_prompt(), self.tts_cache)
-        self.previous_code = model.tts_prompt().codes[:, -1:].clone()  # all mask: a zero code embedding
+        self.tts_cache, self.previous_code = model.tts_model.start(model.tts_prompt())
         self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
         self.prev_text = self.prev_function = self.pad
         self.silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)

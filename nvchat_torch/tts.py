@@ -316,9 +316,10 @@ class SpeechDecoder(nn.Module):
         positions = torch.arange(frames, device=device)[None]
         return TTSPrompt(codes, subword_ids, positions >= frames - 2, positions == frames - 1, latents)
 
-    def start(self) -> tuple[TTSCache, torch.Tensor]:
-        """A cache warmed with the speaker prompt and the first previous codes (all mask) ``[1, 1, Q]``."""
-        prompt = self.prompt()
+    def start(self, prompt: TTSPrompt | None = None) -> tuple[TTSCache, torch.Tensor]:
+        """A cache warmed with the speaker prompt (``prompt``: :meth:`prompt`'s, computed once by the
+        caller, or made here) and the first previous codes ``[1, 1, Q]``: all mask, a zero code embedding."""
+        prompt = self.prompt() if prompt is None else prompt
         cache = self.tts_model.new_cache()
         self.tts_model.warmup(prompt, cache)
         return cache, prompt.codes[:, -1:].clone()
