@@ -291,7 +291,7 @@ def test_profile_percentiles_interpolate_like_the_reference():
 def test_loaded_state_dict_is_the_checkpoints(ckpt_q4):
     from nvchat_torch.checkpoint import Checkpoint
 
-    model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.float32, prepare=False)
+    model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.float32, prepare=False, weights="packed")
     with Checkpoint(ckpt_q4) as ckpt:
         stored = {k: ckpt.shape(k) for k in ckpt.keys()}
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == stored
