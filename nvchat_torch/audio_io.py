@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ _OK_DTYPES = ("float32", "float64", "float16", "int16")
 FLOAT_PEAK_LIMIT = 4.0  # float audio is in [-1, 1]; resampling may overshoot a little, int16 values do not fit
 
 
-def as_mono_float32(samples, sample_rate: int, expected_rate: int) -> np.ndarray:
+def as_mono_float32(samples: Any, sample_rate: int, expected_rate: int) -> np.ndarray:
     """Validate a user chunk and return it as contiguous float32 mono ``[N]``.
 
     Accepts numpy arrays, torch tensors (bfloat16 and float16 included) and Python lists or tuples;

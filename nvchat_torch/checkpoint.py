@@ -117,7 +117,7 @@ class Checkpoint:
         self.folder = Path(folder)
         self.config = config if config is not None else VoiceChatConfig.from_file(self.folder / "config.json")
         index = self.folder / "model.safetensors.index.json"
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # safetensors safe_open handles
         self.key_to_file: dict[str, str] = {}
         if index.exists():
             try:
@@ -314,7 +314,7 @@ class Checkpoint:
     def __enter__(self) -> "Checkpoint":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -6,7 +6,7 @@ Names follow mlx-vlm's streaming session so clients port unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class TokenAccumulator:
 
     MAX_TAIL = 16  # tokens kept undecided while the tail ends in an incomplete character
 
-    def __init__(self, tokenizer, skip: set[int]):
+    def __init__(self, tokenizer: Any, skip: set[int]) -> None:
         self.tokenizer = tokenizer
         self.skip = skip
         self.tokens: list[int] = []

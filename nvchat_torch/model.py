@@ -16,8 +16,10 @@ projections and, for 4-bit weights on a device with the kernel, torch's int4pack
 
 from __future__ import annotations
 
+import builtins  # the annotations inside VoiceChatModel, whose float() method hides the type
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +34,9 @@ from .nemotron_h import NemotronHModel, fuse_heads
 from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4, quantize_modules
 from .rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
 from .tts import SpeechDecoder, TTSPrompt
+
+if TYPE_CHECKING:
+    from .session import StreamingSession
 
 __all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
 
@@ -97,7 +102,7 @@ class VoiceChatModel(nn.Module):
         :meth:`init_constants` and :meth:`prepare`."""
         for module in self.modules():
             if hasattr(module, "activation_dtype"):
-                module.activation_dtype = dtype
+                setattr(module, "activation_dtype", dtype)
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
@@ -128,7 +133,7 @@ class VoiceChatModel(nn.Module):
     # would round its float32 islands. An unprepared one casts as the reference casts a model (A_log
     # stays float32, see checkpoint.cast); then call set_activation_dtype, init_constants (the cast
     # rounded the float32 constants too) and prepare, as load_tiny_model does.
-    def to(self, *args, **kwargs):  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> "VoiceChatModel":  # type: ignore[override]
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if not self.prepared:
             return cast(self, *args, **kwargs)
@@ -162,7 +167,7 @@ class VoiceChatModel(nn.Module):
     def int4_packed(self) -> bool:
         return any(isinstance(m, Int4PackedLinear) for m in self.modules())
 
-    def set_tokenizer(self, tokenizer) -> None:
+    def set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.tts_model.tts_model.set_vocabulary(tokenizer.get_vocab())
 
@@ -199,7 +204,7 @@ class VoiceChatModel(nn.Module):
         return "\n".join(lines)
 
     # ---- inference
-    def create_streaming_session(self, options: StreamingOptions | None = None, **kwargs):
+    def create_streaming_session(self, options: StreamingOptions | None = None, **kwargs: Any) -> "StreamingSession":
         """A new 80 ms streaming session with its own caches (sessions on one model are independent)."""
         from .session import StreamingSession
 
@@ -209,8 +214,8 @@ class VoiceChatModel(nn.Module):
             raise TypeError("pass either a StreamingOptions or keyword options, not both")
         return StreamingSession(self, options)
 
-    def generate(self, audio, system_prompt: str | None = None, seed: int = 0, deterministic: bool = False,
-                 *, max_frames: int | None = None, extra_decoding_seconds: float = 0.0,
+    def generate(self, audio: Any, system_prompt: str | None = None, seed: int = 0, deterministic: bool = False,
+                 *, max_frames: int | None = None, extra_decoding_seconds: builtins.float = 0.0,
                  use_language_cache: bool = True, tools: list[dict] | None = None) -> VoiceChatResult:
         """One offline turn over the whole ``audio`` (16 kHz mono array/tensor, or a file path).
         ``tools``: OpenAI-format function tools (see :mod:`nvchat_torch.tools`); the calls the model
@@ -288,7 +293,7 @@ def full_size_bytes(bits: int | None = None, dtype: torch.dtype = torch.bfloat16
 
 # Checkpoints converted by other tools may hold convolution weights in MLX's channels-last layout:
 # permutations that bring them to PyTorch's, tried only when the stored shape does not fit.
-_TO_TORCH_LAYOUT = {4: [(0, 3, 1, 2)], 3: [(0, 2, 1), (2, 0, 1)]}
+_TO_TORCH_LAYOUT: dict[int, list[tuple[int, ...]]] = {4: [(0, 3, 1, 2)], 3: [(0, 2, 1), (2, 0, 1)]}
 
 
 def _assign(model: nn.Module, key: str, tensor: torch.Tensor, where: Path) -> None:
@@ -297,11 +302,11 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor, where: Path) -> No
         owner = model.get_submodule(owner_path)
     except AttributeError:
         owner = None
-    slot = None if owner is None else (owner._parameters if name in owner._parameters else
-                                       owner._buffers if name in owner._buffers else None)
-    if slot is None:
+    slot: dict[str, Any] | None = None if owner is None else (
+        owner._parameters if name in owner._parameters else owner._buffers if name in owner._buffers else None)
+    if owner is None or slot is None:
         raise CheckpointError(f"{where}: unexpected tensor '{key}' (the model has no such parameter or buffer)")
-    current = slot[name]
+    current: torch.Tensor = slot[name]
     if tuple(tensor.shape) != tuple(current.shape):
         for perm in _TO_TORCH_LAYOUT.get(tensor.dim(), []):
             if tuple(tensor.permute(perm).shape) == tuple(current.shape):
@@ -363,8 +368,10 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
             raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs, "
                                   f"e.g. {', '.join(missing[:5])}")
     for module in model.modules():  # MLX dequantizes to the scales' dtype
-        if dtype is None and isinstance(module, QuantizedEmbedding) and module.scales.is_floating_point():
-            module.output_dtype = module.scales.dtype
+        if dtype is None and isinstance(module, QuantizedEmbedding):
+            scales = module.get_buffer("scales")
+            if scales.is_floating_point():
+                module.output_dtype = scales.dtype
     model.set_activation_dtype(torch.float32 if dtype is None else dtype)
     model.init_constants(device)
     model.eval().requires_grad_(False)
@@ -420,7 +427,7 @@ def _recast_error(call: str) -> RuntimeError:
         f"dtype=torch.float32, or dtype=torch.bfloat16 (fast)")
 
 
-def load_tokenizer(folder: Path):
+def load_tokenizer(folder: Path) -> Any:
     """The LLM tokenizer shipped with the checkpoint (``tokenizer.json`` + ``tokenizer_config.json``)."""
     from transformers import PreTrainedTokenizerFast
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "ConfigError",
@@ -23,6 +26,9 @@ __all__ = [
     "TTSConfig",
     "CodecConfig",
 ]
+
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -41,7 +47,7 @@ def _positive(obj: Any, prefix: str, *names: str) -> None:
                f"{prefix}{name}", f"must be a positive number, got {value!r}")
 
 
-def _from_mapping(cls, values: Mapping[str, Any] | None, prefix: str, required: tuple[str, ...] = ()):
+def _from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str, required: tuple[str, ...] = ()) -> T:
     """Build dataclass ``cls`` from ``values``, ignoring unknown keys, requiring ``required``."""
     if values is None:
         values = {}

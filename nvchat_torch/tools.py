@@ -233,7 +233,7 @@ def _response_text(serialised: list[str]) -> str:
     return "<TOOL_RESPONSE>[" + ", ".join(serialised) + "]</TOOL_RESPONSE>"
 
 
-def _token_id(tokenizer, token: str) -> int:
+def _token_id(tokenizer: Any, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
         raise ValueError(f"the tokenizer has no {token} token, which tool calls need "
@@ -265,7 +265,8 @@ class ToolChannel:
       ``<TOOL_RESPONSE>`` is queued on the function channel with the text channel held at PAD.
     """
 
-    def __init__(self, tokenizer, tools, *, pad_id: int, vocab_size: int, device: torch.device):
+    def __init__(self, tokenizer: Any, tools: Sequence[Mapping] | None, *, pad_id: int, vocab_size: int,
+                 device: torch.device) -> None:
         self.tokenizer = tokenizer
         self.pad_id = pad_id
         self.vocab_size = vocab_size
@@ -292,7 +293,7 @@ class ToolChannel:
     def forcing(self) -> bool:
         return bool(self._text or self._function)
 
-    def force(self, channel: str, ids) -> None:
+    def force(self, channel: str, ids: Any) -> None:
         """Queue ``ids`` to replace the model's ``channel`` ("text" or "function") outputs, one per frame."""
         if channel not in ("text", "function"):
             raise ValueError(f"channel must be 'text' or 'function', got {channel!r}")
@@ -339,8 +340,8 @@ class ToolChannel:
             self._table = (torch.tensor(values, dtype=ids.dtype).to(ids.device),
                            torch.tensor(mask).to(ids.device))
             self._row = 0
-        values, mask = self._table
-        out = torch.where(mask[self._row], values[self._row], ids)
+        table_values, table_mask = self._table
+        out = torch.where(table_mask[self._row], table_values[self._row], ids)
         self._row += 1
         if self._text:
             self._text.popleft()
