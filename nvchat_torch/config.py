@@ -15,26 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import network_config
 from .network_config import (AudioConfig, CharacterEncoderConfig, CodecConfig, ConfigError, ConformerConfig, MoGConfig,
                              PreprocessorConfig, RnntDecoderConfig, RnntJointConfig, TextConfig, TTSConfig, _check,
                              _from_mapping, _positive)
 
-__all__ = [
-    "ConfigError",
-    "PreprocessorConfig",
-    "ConformerConfig",
-    "RnntDecoderConfig",
-    "RnntJointConfig",
-    "AudioConfig",
-    "TextConfig",
-    "CharacterEncoderConfig",
-    "MoGConfig",
-    "TTSConfig",
-    "CodecConfig",
-    "QuantSpec",
-    "VoiceChatConfig",
-    "FULL_SIZE_TEXT_CONFIG",
-]
+__all__ = [*network_config.__all__, "QuantSpec", "VoiceChatConfig", "FULL_SIZE_TEXT_CONFIG"]
 
 
 # --------------------------------------------------------------------------------------
