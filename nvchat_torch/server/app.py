@@ -16,7 +16,6 @@ import json
 import logging
 import secrets
 import threading
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,9 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from ..audio_io import StreamResampler, pcm16_decode, pcm16_encode
+from ..audio_io import StreamResampler, pcm16_decode
 from ..events import StreamingOptions
+from .responses import ResponseEvents, _id
 from .scheduler import FrameScheduler, Output
 
 __all__ = ["create_app", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES"]
@@ -50,10 +50,6 @@ class ClientError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
 def _tools_supported() -> bool:
@@ -167,8 +163,9 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     return app
 
 
-class Connection:
-    """One WebSocket: reads client events, queues model work, turns the worker's outputs into events."""
+class Connection(ResponseEvents):
+    """One WebSocket: reads client events, queues model work, turns the worker's outputs into events
+    (:class:`~nvchat_torch.server.responses.ResponseEvents`)."""
 
     def __init__(self, server: RealtimeServer, ws: WebSocket):
         self.server, self.ws = server, ws
@@ -507,186 +504,3 @@ class Connection:
         except Exception:  # the client is already gone
             pass
         return True
-
-    async def _ga_output(self, out: Output) -> bool:
-        if out.kind == "opened":
-            return False
-        if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error), param="item.call_id")
-            return False
-        if out.kind == "error":
-            log.error("session %s failed", self.session_id, exc_info=out.error)
-            if self.response is not None:
-                await self._close_response("failed")
-            await self.send_error("session_failed", f"the model failed: {out.error!r}; the session is over",
-                                  kind="server_error")
-            return await self._end(1011)
-        if out.kind == "mark":
-            if out.tag == "clear":
-                await self.send({"type": "input_audio_buffer.cleared"})
-            elif out.tag == "commit":
-                item_id = self.user_item or _id("item")
-                await self.send({"type": "input_audio_buffer.committed", "item_id": item_id,
-                                 "previous_item_id": None})
-                await self._complete_user_item()
-                if self.response is None:
-                    await self._open_response()
-                await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
-                await self._close_response("completed")
-            return False
-        for event in out.events:  # "events" and "limit"
-            await self._ga_event(event)
-        if out.ids is not None:
-            await self._stats(out)
-            if out.ids[0] == self.eos_id and self.response is not None and self.response["spoke"]:
-                await self._close_response("completed")
-        if out.kind == "limit":
-            if self.response is not None:
-                await self._close_response("incomplete")
-            await self.send_error("context_limit", str(out.error), kind="invalid_request_error")
-            return await self._end(1000)
-        return False
-
-    async def _ga_event(self, event) -> None:
-        kind = event.kind
-        if kind == "user_transcript_delta":
-            if self.user_item is None:
-                self.user_item, self.user_text = _id("item"), ""
-            self.user_text += event.delta
-            await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": self.user_item,
-                             "content_index": 0, "delta": event.delta})
-            return
-        if kind in ("done", "cancelled"):
-            return
-        if self.response is None:
-            await self._open_response()
-        r = self.response
-        if kind == "assistant_text_delta":
-            if not r["spoke"]:  # the model takes the turn: the user's item is complete
-                r["spoke"] = True
-                await self._complete_user_item()
-            r["transcript"] += event.delta
-            await self.send({"type": "response.output_audio_transcript.delta", "response_id": r["id"],
-                             "item_id": r["item_id"], "output_index": 0, "content_index": 0, "delta": event.delta})
-        elif kind == "audio":
-            await self._send_audio(self.out_resampler(event.samples))
-        elif kind == "tool_call":
-            await self._tool_call(event)
-        elif kind == "tool_call_error":
-            # the session goes on: the model sees no result, as after any call nobody answers
-            await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: {event.reason} "
-                                  f"(raw: {event.text!r})", kind="server_error")
-        # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
-
-    async def _send_audio(self, samples: np.ndarray) -> None:
-        if len(samples) and self.response is not None:
-            r = self.response
-            await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
-                             "output_index": 0, "content_index": 0,
-                             "delta": base64.b64encode(pcm16_encode(samples)).decode("ascii")})
-
-    async def _complete_user_item(self) -> None:
-        if self.user_item is not None:
-            await self.send({"type": "conversation.item.input_audio_transcription.completed",
-                             "item_id": self.user_item, "content_index": 0, "transcript": self.user_text,
-                             "usage": {"type": "duration", "seconds": round(self.frames * 0.08, 2)}})
-            self.user_item, self.user_text = None, ""
-
-    def _response_object(self, r: dict, status: str, output: list) -> dict:
-        body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
-                "conversation_id": self.session_id, "output_modalities": ["audio"],
-                "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.config.output_rate}}}}
-        if status == "cancelled":
-            body["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
-        return body
-
-    async def _open_response(self) -> None:
-        self.response = r = {"id": _id("resp"), "item_id": _id("item"), "transcript": "", "spoke": False,
-                             "calls": []}
-        await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
-        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
-                         "item": {"id": r["item_id"], "object": "realtime.item", "type": "message",
-                                  "role": "assistant", "status": "in_progress", "content": []}})
-        await self.send({"type": "response.content_part.added", "response_id": r["id"], "item_id": r["item_id"],
-                         "output_index": 0, "content_index": 0, "part": {"type": "audio", "transcript": ""}})
-
-    async def _close_response(self, status: str) -> None:
-        r, self.response = self.response, None
-        ids = {"response_id": r["id"], "item_id": r["item_id"], "output_index": 0, "content_index": 0}
-        await self.send({"type": "response.output_audio.done", **ids})
-        await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": r["transcript"]})
-        await self.send({"type": "response.content_part.done", **ids,
-                         "part": {"type": "audio", "transcript": r["transcript"]}})
-        item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "completed" if status == "completed" else "incomplete",
-                "content": [{"type": "output_audio", "transcript": r["transcript"]}]}
-        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
-                         "item": item})
-        await self.send({"type": "response.done", "response": self._response_object(r, status, [item, *r["calls"]])})
-
-    async def _tool_call(self, event) -> None:
-        r = self.response
-        arguments = json.dumps(event.arguments, ensure_ascii=False)
-        index = 1 + len(r["calls"])
-        item = {"id": _id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
-                "call_id": event.call_id, "name": event.name, "arguments": ""}
-        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
-                         "item": item})
-        ids = {"response_id": r["id"], "item_id": item["id"], "output_index": index, "call_id": event.call_id}
-        await self.send({"type": "response.function_call_arguments.delta", **ids, "delta": arguments})
-        await self.send({"type": "response.function_call_arguments.done", **ids, "name": event.name,
-                         "arguments": arguments})
-        item = {**item, "status": "completed", "arguments": arguments}
-        r["calls"].append(item)
-        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": index,
-                         "item": item})
-
-    async def _mlx_output(self, out: Output) -> bool:
-        if out.kind == "opened":
-            if self.announce_open:
-                await self.send({"type": "session.updated", "session": {
-                    "id": self.session_id, "state": "ready", "model": self.server.model_name,
-                    "frame_samples": self.frame_samples,
-                    "input_audio_format": {"type": "pcm16", "sample_rate": self.model_rate},
-                    "output_audio_format": {"type": "pcm16", "sample_rate": self.output_model_rate}}})
-            return False
-        if out.kind == "mark":
-            if out.tag == "clear":
-                await self.send({"type": "input_audio_buffer.cleared"})
-            return False
-        if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error))
-            return False
-        if out.kind == "error":
-            log.error("session %s failed", self.session_id, exc_info=out.error)
-            await self.send_error("inference_error", f"the model failed: {out.error!r}", kind="server_error")
-            return await self._end(1011)
-        for event in out.events:
-            payload = self._mlx_event(event)
-            if payload is not None:
-                await self.send(payload)
-            if event.kind in ("done", "cancelled"):  # as mlx-vlm: the session ends with its stream
-                return await self._end(1000)
-        if out.kind == "limit":
-            await self.send_error("context_limit", str(out.error))
-            return await self._end(1000)
-        return False
-
-    @staticmethod
-    def _mlx_event(event) -> dict | None:
-        head = {"frame_index": event.frame_index}
-        if event.kind in ("assistant_text_delta", "function_delta"):
-            name = "response.text.delta" if event.kind == "assistant_text_delta" else "response.function.delta"
-            return {"type": name, **head, "token_id": event.token_id, "delta": event.delta, "text": event.text}
-        if event.kind == "user_transcript_delta":
-            return {"type": "conversation.item.input_audio_transcription.delta", **head, "delta": event.delta,
-                    "transcript": event.text}
-        if event.kind == "audio":
-            return {"type": "response.audio.delta", **head,
-                    "delta": base64.b64encode(pcm16_encode(event.samples)).decode("ascii"), "format": "pcm16",
-                    "sample_rate": event.sample_rate, "channels": 1, "audio_codes": event.audio_codes.tolist()}
-        if event.kind == "done":
-            return {"type": "response.done", **head}
-        if event.kind == "cancelled":
-            return {"type": "response.cancelled", **head}
-        return None  # kinds mlx-vlm does not have (tool calls): its clients read the raw function channel
