@@ -5,12 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch.quant import QuantizedEmbedding, QuantizedLinear, quantize_affine
+from nvchat_torch.config import QuantSpec
+from nvchat_torch.quant import (Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, quantize_affine,
+                                 unpack_codes)
 from nvchat_torch.tiny import PACK_ELEMENTS, pack_affine, random_model
 
 
@@ -89,3 +92,19 @@ def test_packed_build_never_holds_a_vocabulary_matrix_in_float32():
     with LargestFloat32() as float32:  # what the check catches: the model built whole in float32
         random_model("tiny", hidden=512, vocab=32768)
     assert float32.largest >= 32768 * 512 * 4
+
+
+def test_int4pack_conversion_in_row_blocks_is_the_whole_matrix_conversion():
+    # Int4PackedLinear converts 64-row blocks (16 MB of int32 codes at a time, not 4.7 GB for the 11B
+    # heads); 1000 rows of 4480 (padded to 1008) take two blocks, the last one partial.
+    spec = QuantSpec(4, 64)
+    source = QuantizedLinear(4480, 1000, False, spec, torch.float32, device="meta")
+    w = torch.randn(1000, 4480, generator=torch.Generator().manual_seed(0)) / 67
+    source.weight, source.scales, source.biases = pack_affine(w, 4, 64)
+    packed = Int4PackedLinear(source, torch.bfloat16)
+    words = F.pad(source.weight.view(torch.int32), (0, 0, 0, 8)).view(torch.uint32)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(words, 4).to(torch.int32), 2)
+    assert torch.equal(packed.packed, whole)
+    x = torch.randn(1, 4480, generator=torch.Generator().manual_seed(1))
+    want = F.linear(x, source.dequantized(torch.float32))
+    assert (packed(x) - want).abs().max() < 2e-2 * want.abs().max()
