@@ -10,7 +10,9 @@ one host sync (plus one per stage when profiling).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
@@ -30,6 +32,13 @@ from .nemotron_h import fused_input, language_heads
 from .rnnt import TranscriptText
 from .tools import ToolChannel, render_system_prompt
 
+if TYPE_CHECKING:
+    from .model import VoiceChatModel
+
+# What push_audio and generate take: mono samples as a float (or int16) array or tensor, or a list
+# of numbers (ints are int16 PCM); generate also takes a file path.
+AudioInput = Union[np.ndarray, torch.Tensor, Sequence[float], Sequence[int]]
+
 __all__ = ["StreamingSession", "generate_offline"]
 
 
@@ -43,7 +52,7 @@ def _synchronize(device: torch.device) -> None:
 class _Timeline:
     """What the offline and streaming paths share: the LLM and TTS timeline from caller-owned caches."""
 
-    def __init__(self, model, seed: int, deterministic: bool, use_language_cache: bool):
+    def __init__(self, model: VoiceChatModel, seed: int, deterministic: bool, use_language_cache: bool) -> None:
         self.model = model
         self.config = cfg = model.config
         self.device = model.device
@@ -131,7 +140,7 @@ class StreamingSession:
     (log-mel, Conformer, RNNT, LLM, TTS, codec), so several sessions can share one model.
     """
 
-    def __init__(self, model, options: StreamingOptions):
+    def __init__(self, model: VoiceChatModel, options: StreamingOptions) -> None:
         self.model = model
         self.options = options
         cfg = self.config = model.config
@@ -209,7 +218,7 @@ class StreamingSession:
         return {"language": language, "tts": timeline.tts_cache.nbytes}
 
     # ---- input
-    def push_audio(self, samples, sample_rate: int = 16000) -> list[VoiceChatEvent]:
+    def push_audio(self, samples: AudioInput, sample_rate: int = 16000) -> list[VoiceChatEvent]:
         """Buffer ``samples`` (mono float32/float64/int16, array or tensor, any length) and run one
         timeline step per complete 1280-sample frame; returns those frames' events.
 
@@ -260,7 +269,7 @@ class StreamingSession:
         return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
 
     # ---- tool calls and forced tokens
-    def send_tool_result(self, call_id: str, output) -> None:
+    def send_tool_result(self, call_id: str, output: Any) -> None:
         """Answer the ``tool_call`` event ``call_id`` with ``output`` (a JSON-serialisable value, or a
         string; a string holding JSON is that JSON). Once every call of its span has a result, the
         ``<TOOL_RESPONSE>[...]</TOOL_RESPONSE>`` tokens replace the function channel's outputs, one
@@ -268,7 +277,7 @@ class StreamingSession:
         ``function_delta`` events. Unknown or already-answered ids raise ``ValueError``."""
         self._tools.send_result(call_id, output)
 
-    def force_tokens(self, channel: str, ids) -> None:
+    def force_tokens(self, channel: str, ids: Sequence[int] | torch.Tensor) -> None:
         """Research hook (scripted responses, teacher forcing, evaluation): ``ids`` replace the model's
         ``channel`` ("text" or "function") outputs for the next frames, one per frame, and are fed
         back as the model's own would be. Queued after anything already forced on that channel."""
@@ -385,21 +394,21 @@ class StreamingSession:
 # Offline
 
 
-def _prompt_text(system_prompt: str | None, tools) -> str | None:
+def _prompt_text(system_prompt: str | None, tools: Sequence[dict] | None) -> str | None:
     """With tools, NVIDIA's function-calling prompt; without, the system prompt as given."""
     return render_system_prompt(system_prompt, tools) if tools else system_prompt
 
 
-def _load_audio(audio, sample_rate: int) -> np.ndarray:
+def _load_audio(audio: AudioInput | str | Path, sample_rate: int) -> np.ndarray:
     if isinstance(audio, (str, Path)):
         samples, _ = prepare_input(audio, sample_rate)
         return samples
     return as_mono_float32(audio, sample_rate, sample_rate)
 
 
-def generate_offline(model, audio, *, system_prompt: str | None, seed: int, deterministic: bool,
-                     max_frames: int | None, extra_decoding_seconds: float,
-                     use_language_cache: bool, tools=None) -> VoiceChatResult:
+def generate_offline(model: VoiceChatModel, audio: AudioInput | str | Path, *, system_prompt: str | None, seed: int,
+                     deterministic: bool, max_frames: int | None, extra_decoding_seconds: float,
+                     use_language_cache: bool, tools: Sequence[dict] | None = None) -> VoiceChatResult:
     """One turn over the whole input, as the reference's ``VoiceChatSession.generate``: the mel and
     encoder run over the whole waveform (N frames of audio give N + 1 encoder frames), the system
     prompt is prepended on the user channel, timeline position 0 runs no TTS (its codes are 0),
