@@ -73,13 +73,20 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def full_random_model(args) -> nv.VoiceChatModel:
-    """The 11B configuration with random weights, made on the device (bfloat16 unless --dtype)."""
+    """The 11B configuration with random weights. With --bits: the layout of the mlx-community card,
+    built one module at a time (peaks near the packed size: 4-bit fits a 24 GB machine); with
+    --bits none: every weight float32 at once (44 GB), then --dtype (default bfloat16)."""
     from nvchat_torch.tiny import random_model
 
     device = torch.device(args.device)
-    model = random_model("full", device=device, dtype=getattr(torch, args.dtype or "bfloat16"))
-    model.init_constants(device)
-    model.source = "the full-size configuration with random weights"
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.bits == "none":
+        model = random_model("full", device=device, dtype=dtype or torch.bfloat16)
+        model.set_activation_dtype(dtype or torch.bfloat16)
+        model.init_constants(device)
+    else:
+        model = random_model("full", device=device, dtype=dtype, bits=int(args.bits))
+    model.source = f"the full-size configuration with random weights ({args.bits}-bit)"
     return model.prepare()
 
 
@@ -93,6 +100,7 @@ def run_ours(path: Path | None, args, wave: np.ndarray) -> dict:
         model = nv.load_model(path, device=device, dtype=dtype, weights=args.weights)
     load_s = time.perf_counter() - t0
     device = model.device
+    load_peak_mb = peak_memory_mb(device)
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, seed=0, profile=True))
     frames = [wave[i:i + FRAME] for i in range(0, len(wave) - FRAME + 1, FRAME)]
     for frame in frames[:args.warmup]:
@@ -111,7 +119,8 @@ def run_ours(path: Path | None, args, wave: np.ndarray) -> dict:
     return {"model": model.describe(), "load_s": load_s, "summary": summary, "wall_ms_per_frame": wall * 1000,
             "host_reads_per_frame": sum(reads.values()), "host_reads": dict(reads),
             "ops_per_frame": ops.non_view, "top_ops": ops.ops.most_common(12),
-            "peak_memory_mb": peak_memory_mb(device), "model_mb": model_bytes(model) / 2**20}
+            "peak_memory_mb": peak_memory_mb(device), "load_peak_memory_mb": load_peak_mb,
+            "model_mb": model_bytes(model) / 2**20}
 
 
 def run_reference(path: Path, args, wave: np.ndarray) -> dict | None:
@@ -172,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: generated deep model)")
     p.add_argument("--preset", default="deep", choices=("deep", "tiny", "full"),
-                   help="generated model: deep (tiny widths, real depths), tiny, or full (11B, random "
-                        "weights made on the device, bf16, no checkpoint and no MLX run; needs a large GPU)")
+                   help="generated model: deep (tiny widths, real depths), tiny, or full (11B, random weights "
+                        "built in memory one module at a time, no checkpoint and no MLX run; 4-bit "
+                        "fits a 24 GB machine)")
     p.add_argument("--bits", default="4", choices=("4", "8", "none"), help="of the generated model")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
@@ -209,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host reads per frame: {ours['host_reads_per_frame']} {ours['host_reads']}")
     print(f"non-view ATen ops per frame: {ours['ops_per_frame']}; most frequent: "
           + ", ".join(f"{k} {v}" for k, v in ours["top_ops"]))
-    print(f"memory: weights {ours['model_mb']:.1f} MiB, peak {ours['peak_memory_mb']:.1f} MiB")
+    print(f"memory: weights {ours['model_mb']:.1f} MiB, peak {ours['peak_memory_mb']:.1f} MiB "
+          f"({ours['load_peak_memory_mb']:.1f} MiB when loaded)")
     if ref:
         r = ref["summary"]
         print(f"MLX reference: {r['stages']['total']['mean_ms']:.2f} ms/frame (real-time factor "
