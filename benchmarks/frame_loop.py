@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                         "fits a 24 GB machine)")
     p.add_argument("--bits", default="4", choices=("4", "8", "none"), help="of the generated model")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="float32 (every weight upcast) or bfloat16 (the fast mode); default: the faithful mode")
     p.add_argument("--weights", default="auto", choices=("auto", "packed", "dequantized"))
     p.add_argument("--seconds", type=float, default=6.0, help="audio streamed (frames = seconds / 0.08)")
     p.add_argument("--warmup", type=int, default=10, help="cold frames not timed")

@@ -12,7 +12,7 @@ import copy
 import math
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from .config import FULL_SIZE_TEXT_CONFIG
 
 __all__ = ["SPECIAL_TOKENS", "special_tokens", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer",
            "write_tokenizer", "random_model", "random_packed_model", "pack_affine", "load_tiny_model", "save_checkpoint"]
+
+if TYPE_CHECKING:
+    from .model import VoiceChatModel
 
 
 def special_tokens(count: int = 21) -> list[str]:
@@ -411,7 +414,7 @@ def random_packed_model(config, bits: int = 4, group_size: int = 64, seed: int =
 
 
 def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    preset: str = "tiny", seed: int = 0, prepare: bool = True):
+                    preset: str = "tiny", seed: int = 0, prepare: bool = True) -> "VoiceChatModel":
     """The embedded default: a tiny VoiceChat with random weights, built deterministically in code.
 
     Its outputs are noise, but every stage of the real pipeline runs, so it shows the API, the
