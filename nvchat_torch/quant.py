@@ -438,6 +438,19 @@ def fuse_linears(module: nn.Module, names: list[str], fused: str) -> None:
         delattr(module, name)
 
 
+def affine_codes(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The affine codes of ``w [..., in]`` per group of ``group_size``: ``(codes uint8 [..., in], scales,
+    biases)``, the scales and biases float32: min/max per group, ``q = round((w - min) / scale)``."""
+    *lead, n_in = w.shape
+    g = w.float().reshape(*lead, n_in // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)), 0, levels).to(torch.uint8)
+    return q.reshape(*lead, n_in), scale, lo
+
+
 def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack ``w [..., in]`` in MLX's affine format: ``(weight uint32, scales, biases)`` in ``w``'s dtype.
 
@@ -449,13 +462,8 @@ def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
     *lead, n_in = w.shape
     if n_in % group_size or (n_in * bits) % 32:
         raise ValueError(f"quantize_affine: last dim {n_in} cannot be packed at {bits} bits, group {group_size}")
-    g = w.float().reshape(*lead, n_in // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    levels = (1 << bits) - 1
-    scale = (hi - lo) / levels
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)), 0, levels).to(torch.int64)
-    q = q.reshape(*lead, n_in)
+    q, scale, lo = affine_codes(w, bits, group_size)
+    q = q.to(torch.int64)
     # LSB-first bit stream per row, little-endian bytes -> uint32 words.
     shifts = torch.arange(bits, dtype=torch.int64, device=w.device)
     stream = ((q.unsqueeze(-1) >> shifts) & 1).reshape(*lead, n_in * bits)
