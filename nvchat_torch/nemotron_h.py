@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import REDUCED, Linear, RMSNorm, adopt, rms_norm, silu, swap_modules
+from .layers import REDUCED, Conv1d, Linear, RMSNorm, adopt, rms_norm, silu, swap_modules
 from .quant import QuantizedLinear, concat_linears, fuse_linears
 
 __all__ = [
@@ -214,8 +214,8 @@ class NemotronHMamba2Mixer(nn.Module):
         self.dt_max = hi if math.isfinite(hi) else None
         self.in_proj = Linear(config.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
                                  bias=config.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
-                                bias=config.use_conv_bias)
+        self.conv1d = Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
+                             bias=config.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(self.num_heads))
@@ -275,21 +275,8 @@ class NemotronHMamba2Mixer(nn.Module):
                 for r in range(t + L - min(L, K), t + L):  # keep the last K rows (a prefill, not a step)
                     ring[:, r % K] = ring[:, r % K + K] = window[:, r - t + K - 1]
             cache.offset += L
-        weight, bias = self.conv1d.weight, self.conv1d.bias
-        if window.dtype == weight.dtype and window.dtype in REDUCED:  # MLX: the conv rounded, then + bias
-            out = F.conv1d(window.transpose(1, 2).float(), weight.float(), None, groups=self.conv_dim)
-            out = out.transpose(1, 2).to(window.dtype)
-            if bias is not None:
-                out = out + bias
-        elif window.dtype == weight.dtype:
-            out = F.conv1d(window.transpose(1, 2), weight, bias, groups=self.conv_dim).transpose(1, 2)
-        else:
-            # Mixed dtypes (which F.conv1d refuses) promote as in MLX: float32 taps rounded once to
-            # the promoted dtype, then the bias.
-            taps = window.unfold(1, self.kernel, 1).float() * weight[:, 0].float()
-            out = taps.sum(-1).to(torch.promote_types(window.dtype, weight.dtype))
-            if bias is not None:
-                out = out + bias
+        # MLX's conv layer in the promoted dtype (layers.Conv1d): bf16 rounds the conv, then adds the bias
+        out = self.conv1d(window.transpose(1, 2)).transpose(1, 2)
         return silu(out)
 
     def _ssm_step(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
