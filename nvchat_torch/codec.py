@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CodecConfig
-from .layers import (REDUCED, Conv1d, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus, swap_modules,
-                     var_last)
+from .layers import (REDUCED, Conv1d, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus,
+                     squared_norms, swap_modules, var_last)
 
 __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer",
            "StackedCodebooks"]
@@ -188,9 +188,8 @@ class ResidualVectorQuantizer(nn.Module):
         for q in range(self.num_quantizers):
             stored = self.codebook(q)
             means = stored.float()
-            # |e|^2 in the codebook's dtype (bf16: rounded products, float32 sum, one rounding), as the reference.
-            sq_norms = (stored * stored).sum(-1, dtype=torch.float32).to(stored.dtype).float()
-            distances = ((residual * residual).sum(-1, keepdim=True) - 2.0 * (residual @ means.T) + sq_norms)
+            distances = ((residual * residual).sum(-1, keepdim=True) - 2.0 * (residual @ means.T)
+                         + squared_norms(stored))  # |e|^2 in the codebook's dtype, as the reference
             index = distances.argmin(-1)
             codes.append(index)
             residual = residual - means[index]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
-           "gelu_tanh", "gelu_erf", "softplus", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
+           "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules"]
 
 REDUCED = (torch.bfloat16, torch.float16)
@@ -165,6 +165,12 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in REDUCED:
         return x.mean(-1, keepdim=True)
     return x.sum(-1, keepdim=True, dtype=torch.float32).to(x.dtype) * scalar(1.0 / x.shape[-1], x.dtype)
+
+
+def squared_norms(rows: torch.Tensor) -> torch.Tensor:
+    """``sum(e * e)`` over the last axis as MLX forms it in the rows' dtype (bf16: rounded products,
+    float32 accumulation, one rounding), returned in float32 (the codebook distance searches)."""
+    return (rows * rows).sum(-1, dtype=torch.float32).to(rows.dtype).float()
 
 
 def rsqrt(x: torch.Tensor) -> torch.Tensor:

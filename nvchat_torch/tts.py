@@ -26,7 +26,7 @@ from torch import nn
 from .codec import Codec
 from .config import CodecConfig, TTSConfig
 from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache
-from .layers import Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, swap_modules
+from .layers import Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
 from .mog import FusedMoGHead, MoGHead, sample_component
 from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
                       GatedFusion)
@@ -79,12 +79,6 @@ def _draw_schedule(config: TTSConfig) -> list[tuple[int, int]]:
             draws.append((start, count))
             start += count
     return draws
-
-
-def _squared_norms(books: torch.Tensor) -> torch.Tensor:
-    """``sum(e * e)`` per codebook row as the reference forms it in the codebooks' dtype (bf16: rounded
-    products, float32 accumulation, one rounding), returned in float32."""
-    return (books * books).sum(-1, dtype=torch.float32).to(books.dtype).float()
 
 
 class EarTTS(nn.Module):
@@ -179,7 +173,7 @@ class EarTTS(nn.Module):
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codebooks in float32 ``[Q, K, latent]`` and their squared norms ``[Q, K]`` (see :func:`_squared_norms`)."""
-        return self.rvq_embs.float(), _squared_norms(self.rvq_embs)
+        return self.rvq_embs.float(), squared_norms(self.rvq_embs)
 
     def generate_codes(self, hidden: torch.Tensor, generator: torch.Generator | None = None,
                        deterministic: bool = False) -> torch.Tensor:
@@ -233,7 +227,7 @@ class FusedEarTTS(EarTTS):
         books = self.rvq_embs.detach()
         padded = books.new_zeros(books.shape[0], books.shape[1] + 1, books.shape[2], dtype=torch.float32)
         padded[:, :-1] = books
-        self.register_buffer("rvq_sq_norms", _squared_norms(books), persistent=False)
+        self.register_buffer("rvq_sq_norms", squared_norms(books), persistent=False)
         self.rvq_embs.data = padded[:, :-1]
         self.register_buffer("rvq_float", padded, persistent=False)
 
