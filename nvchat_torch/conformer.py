@@ -143,6 +143,26 @@ class RelPositionAttention(nn.Module):
         return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
 
 
+    def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
+        """:meth:`position_scores` per row: ``q_v [B, H, 1, hd]``, ``columns [B, W]`` each row's ring
+        slots' rows of ``stream_pos`` -> ``[B, H, 1, W]``."""
+        w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1).to(q_v.dtype)
+        return torch.matmul(q_v, w_pos) @ stream_pos[columns].to(q_v.dtype).transpose(1, 2)[:, None]
+
+    def forward_rows(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", stream_pos: torch.Tensor,
+                     residual: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_step` for ``B`` streams at their own frames: ``x [B, 1, d]``, ``kv [2, B, H, W, hd]``;
+        each row writes its slot and attends its filled slots (``rows``)."""
+        b = x.shape[0]
+        q_u, q_v, kv_new = self.project(x)
+        kv[:, rows.batch, :, rows.slot] = kv_new.view(b, 2, self.n_heads, self.head_dim)
+        q_v = q_v.view(b, self.n_heads, 1, self.head_dim)
+        bias = self.position_scores_rows(q_v, rows.columns, stream_pos) + rows.mask.to(q_v.dtype)
+        out = F.scaled_dot_product_attention(q_u.view(b, self.n_heads, 1, self.head_dim), kv[0], kv[1],
+                                             attn_mask=bias, scale=self.scale)
+        return add_linear(residual, self.linear_out, out.reshape(b, 1, -1))
+
+
 class FusedRelPositionAttention(RelPositionAttention):
     """``prepare()``'s swap for :class:`RelPositionAttention`: one matmul for q + u, q + v, k and v
     (``linear_quvkv``: linear_q appears twice in its weight and the position biases u, v join its
@@ -170,6 +190,10 @@ class FusedRelPositionAttention(RelPositionAttention):
     def position_scores(self, q_v: torch.Tensor, slot: int, length: int, stream_pos: torch.Tensor) -> torch.Tensor:
         window = self.pos_table.shape[-1] // 2  # slot j's distance row of the precomputed table
         return torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])
+
+
+    def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
+        return q_v @ self.pos_table[:, :, columns].permute(2, 0, 1, 3)  # table [H, hd, B, W]
 
 
 class ConvModule(nn.Module):
@@ -205,6 +229,16 @@ class ConvModule(nn.Module):
         return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
 
 
+    def forward_rows(self, x: torch.Tensor, ring: torch.Tensor, rows: "ConformerRows",
+                     residual: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_step` for ``B`` streams at their own frames (``ring [B, d, 2 * kernel]``)."""
+        b, d = x.shape[0], ring.shape[1]
+        ring.scatter_(2, rows.conv_slots.expand(b, d, 2), self._glu(x).transpose(1, 2).expand(-1, -1, 2))
+        window = ring.gather(2, rows.conv_window.expand(b, d, self.kernel_size))
+        h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
+        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
+
+
 class ConformerLayer(nn.Module):
     def __init__(self, config: ConformerConfig):
         super().__init__()
@@ -235,6 +269,15 @@ class ConformerLayer(nn.Module):
         return self.norm_out(x)
 
 
+    def forward_rows(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, rows: "ConformerRows",
+                     stream_pos: torch.Tensor) -> torch.Tensor:
+        x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
+        x = self.self_attn.forward_rows(self.norm_self_att(x), kv, rows, stream_pos, residual=x)
+        x = self.conv.forward_rows(self.norm_conv(x), conv_ring, rows, residual=x)
+        x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
+        return self.norm_out(x)
+
+
 class CausalSubsampling(nn.Module):
     """Depthwise-striding conv subsampling over the (time, frequency) image, causal in time.
 
@@ -257,14 +300,26 @@ class CausalSubsampling(nn.Module):
             freq = freq // 2 + 1
         self.out = Linear(ch * freq, config.d_model)
 
-    def forward(self, mel: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """mel [B, T, F] -> [B, T', d_model] (only the last frame when ``last_only``)."""
+    def forward(self, mel: torch.Tensor, last_only: bool = False, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, T, F] -> [B, T', d_model] (only the last frame when ``last_only``).
+
+        ``starts [B]``: where each row's mel begins (a multiple of 8; frames before it are zeroed, and so
+        is each stage's output before its start), which computes every row as its mel alone would:
+        a shorter window, zero padded by the convs."""
         x = mel.unsqueeze(1)  # [B, 1, T, F]
+        keep = None
+        if starts is not None:
+            keep = (torch.arange(x.shape[2], device=x.device) >= starts[:, None])[:, None, :, None]
+            x = x * keep
         for layer in self.conv:
             t, f = x.shape[-2:]
             x = layer(x)
             if isinstance(layer, nn.Conv2d) and layer.stride[0] == 2:
                 x = x[..., : t // 2 + 1, : f // 2 + 1]
+                if keep is not None:  # output j reads inputs 2j - 2 .. 2j: it exists for the row iff 2j does
+                    keep = keep[:, :, ::2]
+            elif keep is not None and isinstance(layer, nn.ReLU):
+                x = x * keep
         if last_only:
             x = x[:, :, -1:]
         b, c, t, f = x.shape
@@ -288,6 +343,32 @@ class ConformerCache:
     mel: torch.Tensor
     consumed: int = 0
     frames: int = 0
+
+
+@dataclass
+class ConformerRowsCache:
+    """Streaming state of :meth:`FastConformer.forward_rows`: ``B`` streams, each at its own frame.
+
+    As :class:`ConformerCache` with a batch axis: ``kv [layers, 2, B, heads, left+1, head_dim]``,
+    ``conv [layers, B, d_model, 2 * kernel]``, ``mel [B, M, features]``; ``frames [B]`` (long, on the
+    device) counts each row's encoder frames, advanced by the caller."""
+
+    kv: torch.Tensor
+    conv: torch.Tensor
+    mel: torch.Tensor
+    frames: torch.Tensor
+
+
+@dataclass
+class ConformerRows:
+    """Per-row ring indices of one batched step (made once per step, shared by the layers)."""
+
+    batch: torch.Tensor  # [B] row numbers
+    slot: torch.Tensor  # [B] the attention ring slot of this frame
+    columns: torch.Tensor  # [B, W] distance-table column of every ring slot
+    mask: torch.Tensor  # [B, 1, 1, W] 0 for filled slots, -inf before a row's first frames
+    conv_slots: torch.Tensor  # [B, 1, 2] the convolution ring columns this frame is written to
+    conv_window: torch.Tensor  # [B, 1, kernel] the columns of the last kernel frames
 
 
 class FastConformer(nn.Module):
@@ -430,6 +511,42 @@ class FastConformer(nn.Module):
         return x
 
 
+    def new_rows_cache(self, batch: int) -> ConformerRowsCache:
+        cfg, dtype, device = self.config, self.activation_dtype, self.pre_encode.out.weight.device
+        return ConformerRowsCache(
+            kv=torch.zeros(cfg.n_layers, 2, batch, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
+            conv=torch.zeros(cfg.n_layers, batch, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
+            mel=torch.zeros(batch, self.mel_context, cfg.feat_in, dtype=dtype, device=device),
+            frames=torch.zeros(batch, dtype=torch.long, device=device))
+
+    def forward_rows(self, mel: torch.Tensor, cache: ConformerRowsCache) -> torch.Tensor:
+        """One encoder frame per stream: ``mel [B, 8, feat_in]`` as :meth:`LogMel.forward_rows` gives it
+        (a stream's first frame has one mel frame, the last) -> ``[B, 1, d]``. Each row computes as
+        :meth:`forward_step` does for its stream alone: a shorter mel window while it starts, its own
+        ring slots and distances, no slot it has not filled. The caller advances ``cache.frames``."""
+        mel = mel.to(self.activation_dtype)
+        m, s = self.mel_context, self.subsampling
+        n = cache.frames
+        window = torch.cat([cache.mel, mel], dim=1)  # [B, m + s, F]
+        cache.mel.copy_(window[:, -m:])
+        # Mel frames this row has pushed, this one's included: 1, 1 + s, ...; the window starts at m + s minus that.
+        held = torch.where(n == 0, 1, 1 + s * n).clamp(max=m + s)
+        x = self.pre_encode(window, last_only=True, starts=m + s - held)
+        if self.xscale is not None:
+            x = x * self.xscale
+        w, kernel = self.left + 1, self.config.conv_kernel_size
+        slot = n % w
+        ring = torch.arange(w, device=n.device)
+        # Slot j holds frame n - ((slot - j) mod w); before the ring is full only slots <= n are filled.
+        rows = ConformerRows(
+            batch=torch.arange(n.shape[0], device=n.device), slot=slot, columns=(ring - slot[:, None]) % w,
+            mask=torch.where(ring <= n[:, None], 0.0, float("-inf"))[:, None, None],
+            conv_slots=self.conv_slots[n % kernel][:, None], conv_window=((n % kernel)[:, None] + 1 + torch.arange(kernel, device=n.device))[:, None])
+        for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
+            x = layer.forward_rows(x, kv, conv, rows, self.stream_pos)
+        return x
+
+
 class _Featurizer(nn.Module):
     """NeMo's featurizer buffers as stored in the checkpoint (``window``, ``fb``).
 
@@ -479,6 +596,13 @@ class Perception(nn.Module):
 
     def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> tuple[torch.Tensor, torch.Tensor]:
         encoded = self.encoder.forward_step(mel_frames, cache)
+        return self.proj(encoded), encoded
+
+    def new_rows_cache(self, batch: int) -> ConformerRowsCache:
+        return self.encoder.new_rows_cache(batch)
+
+    def forward_rows(self, mel: torch.Tensor, cache: ConformerRowsCache) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.encoder.forward_rows(mel, cache)
         return self.proj(encoded), encoded
 
     def uncached_frame(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from .layers import REDUCED, Linear, OffsetRMSNorm, adopt, gelu_tanh
 from .nemotron_h import grown_capacity
 from .quant import fuse_linears
 
-__all__ = ["GatedMLP", "FusedGatedMLP", "Rotary", "FusedQKV", "TTSCache", "GemmaAttention", "FusedGemmaAttention",
+__all__ = ["GatedMLP", "FusedGatedMLP", "Rotary", "FusedQKV", "TTSCache", "TTSRows", "GemmaAttention", "FusedGemmaAttention",
            "GemmaLayer", "GemmaBackbone"]
 
 ROPE_POSITIONS = 8192  # rotary table length until the model reserves its own (GemmaBackbone.reserve_positions)
@@ -83,6 +83,11 @@ class Rotary(nn.Module):
         every layer of a step, which then rotates with one matmul)."""
         cos, sin = self.table(position, 1)
         return (torch.diag_embed(cos[0]) + self.swap * sin).to(dtype)
+
+    def rotation_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`rotation` per row: ``positions [R]`` -> ``[R, 1, 1, dim, dim]``."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return (torch.diag_embed(cos) + self.swap * sin[:, None]).to(dtype)[:, None, None]
 
     def reserve(self, positions: int) -> None:
         """Make the tables cover ``positions`` positions (at load time)."""
@@ -216,6 +221,31 @@ class TTSCache:
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
 
 
+    def write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                   rows: "TTSRows") -> tuple[torch.Tensor, torch.Tensor]:
+        """One position per row ``[R, kv_heads, 1, head_dim]``, each at its own ``rows.positions`` (slot =
+        position, or position % window in a sliding layer); returns the slots any row holds."""
+        window = self.windows[layer]
+        held = rows.end if window is None else min(rows.end, window)
+        self._reserve(layer, held)
+        slots = rows.positions if window is None else rows.positions % window
+        batch = torch.arange(keys.shape[0], device=keys.device)
+        self.keys[layer][batch, :, slots] = keys[:, :, 0]
+        self.values[layer][batch, :, slots] = values[:, :, 0]
+        return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
+
+
+@dataclass
+class TTSRows:
+    """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_rows`), made once per step:
+    ``positions [R]`` (long, on the device; a session's two rows share theirs) and ``end``, the largest
+    plus one. Masks: a row attends its positions up to its own, and a sliding layer's ring only as far
+    as the row has filled it."""
+
+    positions: torch.Tensor
+    end: int
+
+
 class GemmaAttention(_Attention):
     """Self-attention with q/k RMSNorm before RoPE, scale ``query_pre_attn_scalar ** -0.5``, no soft-cap."""
 
@@ -231,9 +261,12 @@ class GemmaAttention(_Attention):
                           self.k_norm.offset_weight().expand(self.n_kv_heads, -1)])
 
     def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
-                cache: TTSCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: TTSCache | None, layer: int, mask: torch.Tensor | None,
+                rows: TTSRows | None = None) -> torch.Tensor:
         """``rope``: ``(cos, sin)`` tables for the ``length`` positions, or, for one position, its rotation
-        matrix ``(M,)``: the norm weights then fold into it and norm + rotation take 3 ops."""
+        matrix ``(M,)`` (per row, ``[R, 1, 1, d, d]``, with ``rows``): the norm weights then fold into it
+        and norm + rotation take 3 ops. ``rows``: one position per row, each at its own (``mask`` says
+        which slots it attends)."""
         qk, v = self.qk_v(x, batch, length)
         qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps)
         if len(rope) == 1:  # [B, 1, heads, d] @ [heads, d, d]: per head diag(1 + w) M
@@ -241,6 +274,12 @@ class GemmaAttention(_Attention):
         else:
             qk = Rotary.apply(qk * self.qk_norm_weight(), rope[0][:, None], rope[1][:, None])
         q, k, v = self.split_heads(qk, v)
+        if rows is not None:
+            held_k, held_v = cache.write_rows(layer, k, v, rows)
+            b = q.shape[0]
+            out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
+                                                 attn_mask=mask, scale=self.scale)
+            return self.output(out.view(b, self.n_heads, 1, self.head_dim))
         if cache is not None:
             held_k, held_v = cache.write(layer, k, v)
             if length == 1:  # one new position attends to every held one (no mask, as the reference)
@@ -282,8 +321,9 @@ class GemmaLayer(nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
-                cache: TTSCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), batch, length, rope, cache, layer, mask)
+                cache: TTSCache | None, layer: int, mask: torch.Tensor | None,
+                rows: TTSRows | None = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), batch, length, rope, cache, layer, mask, rows)
         h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -324,17 +364,20 @@ class GemmaBackbone(nn.Module):
         return TTSCache(empty[::2], empty[1::2], windows, limit=self.max_positions)
 
     def _run(self, x: torch.Tensor, cache: TTSCache | None, start: int,
-             masks: dict[bool, torch.Tensor | None]) -> torch.Tensor:
+             masks: dict[bool, torch.Tensor | None], rows: TTSRows | None = None) -> torch.Tensor:
         batch, length, width = x.shape
-        if length == 1:  # a step: one rotation matrix per RoPE base, shared by the layers
+        if rows is not None:  # one rotation matrix per row and RoPE base
+            tables = {False: (self.rope_global.rotation_rows(rows.positions, x.dtype),),
+                      True: (self.rope_local.rotation_rows(rows.positions, x.dtype),)}
+        elif length == 1:  # a step: one rotation matrix per RoPE base, shared by the layers
             tables = {False: (self.rope_global.rotation(start, x.dtype),),
                       True: (self.rope_local.rotation(start, x.dtype),)}
         else:
             tables = {False: self.rope_global.table(start, length), True: self.rope_local.table(start, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes
         for index, layer in enumerate(self.layers):
-            x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding])
-        if cache is not None:
+            x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding], rows)
+        if cache is not None and rows is None:
             cache.offset += length
         return self.norm(x).view(batch, length, width)
 
@@ -354,3 +397,16 @@ class GemmaBackbone(nn.Module):
         if x.shape[1] != 1:
             raise ValueError(f"forward_step takes one position [B, 1, H], got {list(x.shape)}")
         return self._run(x, cache, cache.offset, {False: None, True: None})
+
+    def forward_rows(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows) -> torch.Tensor:
+        """One position per row ``[R, 1, H]``, each at its own ``rows.positions`` (the batched engine); the
+        cache's ``offset`` is left to the caller."""
+        if x.shape[1] != 1 or x.shape[0] != rows.positions.shape[0]:
+            raise ValueError(f"forward_rows takes one position per row [{rows.positions.shape[0]}, 1, H], "
+                             f"got {list(x.shape)}")
+        slots = torch.arange(rows.end, device=x.device)
+        held = slots <= rows.positions[:, None]  # [R, end]: a global layer's slot = position
+        window = min(rows.end, self.window)
+        # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
+        ring = slots[:window] <= rows.positions[:, None]
+        return self._run(x, cache, 0, {False: held[:, None, None], True: ring[:, None, None]}, rows)

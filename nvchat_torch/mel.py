@@ -76,6 +76,19 @@ class MelCache:
     closed: bool = False
 
 
+@dataclass
+class MelRowsCache:
+    """Streaming state of :meth:`LogMel.forward_rows`: many streams, each pushing whole 80 ms frames.
+
+    ``samples [B, kept]``: each row's last raw samples (zeros before its start), enough for the next
+    frame's windows and the preemphasis predecessor; ``frames [B]`` (long, on the device): frames each
+    row has pushed, which says where its stream starts inside the buffer (the reflect padding).
+    """
+
+    samples: torch.Tensor
+    frames: torch.Tensor
+
+
 class LogMel(nn.Module):
     """``forward(audio [N] or [1, N]) -> [1, N // hop + 1, features]`` float32 log-mel.
 
@@ -122,10 +135,11 @@ class LogMel(nn.Module):
     # ---- shared math
 
     def _preemphasize(self, x: torch.Tensor) -> torch.Tensor:
-        """``y[n] = x[n] - a*x[n-1]``, with ``y[0] = x[0]`` (only meaningful when x starts the signal)."""
+        """``y[n] = x[n] - a*x[n-1]`` along the last axis, with ``y[0] = x[0]`` (only meaningful when x
+        starts the signal)."""
         if self.preemph <= 0.0:
             return x
-        return torch.cat([x[:1], x[1:] - self.preemph * x[:-1]])
+        return torch.cat([x[..., :1], x[..., 1:] - self.preemph * x[..., :-1]], dim=-1)
 
     def _log_mel(self, padded: torch.Tensor, first: int, count: int) -> torch.Tensor:
         """Log-mel of ``count`` frames whose windows start at ``padded[first + i*hop]`` -> [1, count, F]."""
@@ -177,6 +191,40 @@ class LogMel(nn.Module):
         if cache.closed:
             raise RuntimeError("LogMel.flush: this MelCache was already flushed")
         return self._advance(cache, cache.samples[:0], final=True)
+
+    # ---- many streams, whole frames (the batched engine)
+
+    def new_rows_cache(self, batch: int) -> MelRowsCache:
+        """Zero history for ``batch`` streams that push ``lookahead`` samples per call."""
+        kept = self.lookahead - self.hop + self.n_fft // 2 + 1
+        device = self.dft_basis.device
+        return MelRowsCache(torch.zeros(batch, kept, device=device),
+                            torch.zeros(batch, dtype=torch.long, device=device))
+
+    def forward_rows(self, frames: torch.Tensor, cache: MelRowsCache) -> torch.Tensor:
+        """One frame per stream ``[B, lookahead]`` -> ``[B, lookahead // hop, features]``: the frames
+        :meth:`forward_step` emits for that push (8), right-aligned; a stream's first push emits 1, so
+        its row holds that one last and 7 frames of no meaning before it. The caller advances
+        ``cache.frames`` (rows that sat out keep theirs, see the engine)."""
+        step, hop, pad = self.lookahead, self.hop, self.n_fft // 2
+        if frames.dim() != 2 or frames.shape[1] != step or step % hop:
+            raise ValueError(f"LogMel.forward_rows: expected frames [B, {step}] (a multiple of hop {hop}), "
+                             f"got {tuple(frames.shape)}")
+        count = step // hop
+        buffer = torch.cat([cache.samples, frames.to(torch.float32)], dim=1)  # [B, N]
+        cache.samples.copy_(buffer[:, step:])
+        y = self._preemphasize(buffer)  # rows start with zeros, so a stream's first sample keeps its value
+        # Local index j holds absolute sample j - origin. Frame f = count (t - 1) + 1 + i (t frames pushed
+        # before) starts at f * hop - pad, local 1 + i * hop; absolute samples before 0 are the reflection
+        # of the ones after it (the centred STFT's padding), read by one gather.
+        origin = pad + 1 - (count * (cache.frames - 1) + 1) * hop  # [B]
+        j = torch.arange(y.shape[1], device=y.device)
+        mirrored = torch.where(j < origin[:, None], 2 * origin[:, None] - j, j).clamp(max=y.shape[1] - 1)
+        y = y.gather(1, mirrored)
+        windows = y[:, 1:].unfold(1, self.n_fft, hop)[:, :count]  # [B, count, n_fft]
+        spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))
+        mel = spectrum.square().sum(dim=2) @ self.filterbank.T
+        return torch.log(mel + self.log_guard)
 
     def _advance(self, cache: MelCache, samples: torch.Tensor, final: bool) -> torch.Tensor:
         buffer = torch.cat([cache.samples, samples]) if samples.shape[0] else cache.samples

@@ -37,6 +37,7 @@ from .tts import SpeechDecoder, TTSPrompt
 
 if TYPE_CHECKING:
     from .session import StreamingSession
+    from .engine import BatchEngine
 
 __all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
 
@@ -213,6 +214,13 @@ class VoiceChatModel(nn.Module):
         elif kwargs:
             raise TypeError("pass either a StreamingOptions or keyword options, not both")
         return StreamingSession(self, options)
+
+    def create_engine(self, max_sessions: int = 8, profile: bool = False) -> "BatchEngine":
+        """A batched engine: up to ``max_sessions`` streaming sessions stepped as one batch per frame
+        (see :mod:`nvchat_torch.engine`); ``profile`` times every step's stages after a device sync."""
+        from .engine import BatchEngine
+
+        return BatchEngine(self, max_sessions, profile)
 
     def generate(self, audio: Any, system_prompt: str | None = None, seed: int = 0, deterministic: bool = False,
                  *, max_frames: int | None = None, extra_decoding_seconds: builtins.float = 0.0,

@@ -7,6 +7,8 @@ deterministic mode), and its low-rank mean and shared std give the proposal.
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence, Union
+
 import torch
 from torch import nn
 
@@ -15,9 +17,24 @@ from .gemma import GatedMLP
 from .layers import Linear, OffsetRMSNorm, adopt, promoted
 from .quant import fuse_linears
 
-__all__ = ["MoGLayer", "MoGHead", "FusedMoGHead", "sample_component"]
+__all__ = ["MoGLayer", "MoGHead", "FusedMoGHead", "sample_component", "draw", "Generators"]
 
 GUMBEL_EPS = 1e-8
+
+# One generator for the whole batch, or one per row (None: a row that draws nothing this step).
+Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
+
+
+def draw(sampler: Callable[..., torch.Tensor], shape: Sequence[int], generator: Generators,
+         device: torch.device) -> torch.Tensor:
+    """``sampler(shape)`` (``torch.rand``/``torch.randn``) from ``generator``; with one generator per row,
+    each row draws its own ``shape[1:]`` from its own, exactly what that row alone would draw, so a
+    session's samples never depend on the rows it shares a batch with (a None row draws nothing: 0)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return sampler(tuple(shape), generator=generator, device=device)
+    row = (1, *shape[1:])
+    return torch.cat([torch.zeros(row, device=device) if g is None else sampler(row, generator=g, device=device)
+                      for g in generator])
 
 
 class MoGLayer(nn.Module):
@@ -31,7 +48,7 @@ class MoGLayer(nn.Module):
         return x + self.post_norm(self.mlp(self.pre_norm(x)))
 
 
-def sample_component(logits: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+def sample_component(logits: torch.Tensor, top_p: float, generator: Generators) -> torch.Tensor:
     """A draw over the last axis of ``logits`` among the components kept by top-p (the reference's
     rule: keep k iff the probability mass strictly above k is < ``top_p``).
 
@@ -43,7 +60,7 @@ def sample_component(logits: torch.Tensor, top_p: float, generator: torch.Genera
     if top_p < 1.0:
         mass_above = probs.cumsum(-1) - probs
         probs = torch.where(mass_above < top_p, probs, 0.0)
-    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+    uniform = draw(torch.rand, probs.shape, generator, probs.device)
     exponential = torch.rsub(torch.log(uniform + GUMBEL_EPS), GUMBEL_EPS)  # -log(u) (guarded)
     return order.gather(-1, (probs / exponential).argmax(-1, keepdim=True)).squeeze(-1)
 
@@ -74,23 +91,27 @@ class MoGHead(nn.Module):
         """Component logits, log std and the rest of the mean."""
         return self.proj_logits(x), self.proj_logs(x), self.proj_else(x)
 
-    def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: torch.Generator | None,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [2, H]`` (conditional, unconditional) -> (mean ``[1, out]``, std ``[1, 1]``)."""
+    def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: Generators,
+                deterministic: bool | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [2B, H]`` (each session's conditional, then unconditional row) -> (mean ``[B, out]``, std ``[B, 1]``).
+        ``deterministic``: for all rows, or per row ``[B]`` (bool; those rows' generators are None)."""
         for layer in self.mlp_stack:
             x = layer(x)
-        x = torch.lerp(x[1:], x[:1], 1.0 + guidance_scale)  # cond + g (cond - uncond)
+        x = x.unflatten(0, (-1, 2))
+        x = torch.lerp(x[:, 1], x[:, 0], 1.0 + guidance_scale)  # cond + g (cond - uncond)
         logits, log_std, rest = self.heads(x)
-        if deterministic:
+        if deterministic is True:
             component = logits.argmax(-1)
         else:
             component = sample_component(logits, top_p, generator)
+            if isinstance(deterministic, torch.Tensor):  # rows of both kinds (the batched engine)
+                component = torch.where(deterministic, logits.argmax(-1), component)
         mus = self.proj_mus.weight.view(self.num_predictions, self.low_rank, -1).index_select(0, component)
         low = self.low_mat.index_select(0, component)
         mus, low = mus.to(promoted(x, mus)), low.to(promoted(x, low))  # stored-dtype rows: promoted, as MLX
         mean = torch.matmul(low, torch.matmul(mus, x[..., None]))  # [1, out, 1]
         std = log_std.clamp(min=self.min_log_std).exp()
-        return torch.addcmul(rest, mean.view(1, -1), std), std
+        return torch.addcmul(rest, mean.squeeze(-1), std), std
 
 
 class FusedMoGHead(MoGHead):

@@ -127,6 +127,28 @@ class KVCache:
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def reserve(self, end: int) -> None:
+        """Room for positions ``[0, end)`` in every row (batched caches, whose rows each track their own)."""
+        if end > self.keys.shape[2]:
+            self.offset = self.keys.shape[2]  # every slot is kept
+            size = grown_capacity(self.keys.shape[2], end, self.limit)
+            self.keys, self.values = self._grown(self.keys, size), self._grown(self.values, size)
+
+    def update_rows(self, keys: torch.Tensor, values: torch.Tensor,
+                    rows: LanguageRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position per row ``[B, kv_heads, 1, head_dim]``, each at its own ``rows.positions``; returns
+        the first ``rows.end`` slots. The buffers (float32, or the activations' dtype) grow as :meth:`update`'s."""
+        self.reserve(rows.end)
+        keys, values = keys[:, :, 0].to(self.keys.dtype), values[:, :, 0].to(self.values.dtype)
+        if rows.round_keys is not None:  # still bf16 in the reference's cache: rounded as it stores them
+            keep = rows.round_keys[:, None, None]
+            keys = torch.where(keep, keys.to(torch.bfloat16).to(keys.dtype), keys)
+            values = torch.where(keep, values.to(torch.bfloat16).to(values.dtype), values)
+        batch = torch.arange(keys.shape[0], device=keys.device)
+        self.keys[batch, :, rows.positions] = keys
+        self.values[batch, :, rows.positions] = values
+        return self.keys[:, :, :rows.end], self.values[:, :, :rows.end]
+
     def _grown(self, buf: torch.Tensor, size: int) -> torch.Tensor:
         out = buf.new_empty((*buf.shape[:2], size, buf.shape[3]))
         out[:, :, :self.offset] = buf[:, :, :self.offset]
@@ -135,6 +157,26 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class LanguageRows:
+    """Where each row of a batched step stands (:meth:`NemotronHModel.forward_rows`), made once per step.
+
+    ``positions [B]``: each row's position (long, on the device); ``end``: the largest plus one, how
+    many key/value slots the step attends (rows mask theirs past their own position: ``mask [B, 1, 1,
+    end]``). ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as the
+    reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
+
+    positions: torch.Tensor
+    end: int
+    mask: torch.Tensor
+    round_keys: torch.Tensor | None = None
+
+    @classmethod
+    def make(cls, positions: torch.Tensor, end: int, round_keys: torch.Tensor | None = None) -> "LanguageRows":
+        mask = torch.arange(end, device=positions.device) <= positions[:, None]
+        return cls(positions, end, mask[:, None, None], round_keys)
 
 
 @dataclass
@@ -251,10 +293,16 @@ class NemotronHMamba2Mixer(nn.Module):
                                          device=device, dtype=old.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None, rows: LanguageRows | None = None) -> torch.Tensor:
         """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU."""
         K, L = self.kernel, xBC.shape[1]
-        if cache is None:
+        if rows is not None:  # one step per row, each at its own ring phase
+            ring = cache.conv_state
+            b, c = ring.shape[0], ring.shape[2]
+            phase = rows.positions % K
+            ring.scatter_(1, self.ring_slots[phase][..., None].expand(b, 2, c), xBC.to(ring.dtype).expand(-1, 2, -1))
+            window = ring.gather(1, (phase[:, None, None] + 1 + self.ring_slots[:, :1].view(1, K, 1)).expand(b, K, c))
+        elif cache is None:
             window = F.pad(xBC, (0, 0, K - 1, 0))
         else:
             ring = cache.conv_state
@@ -310,12 +358,12 @@ class NemotronHMamba2Mixer(nn.Module):
         grouped.addcmul_(dtx.view(b, G, -1, 1), B.float().unsqueeze(2))
         return cb.unsqueeze(-1) * dtx + decay.unsqueeze(-1) * y_prev
 
-    def forward(self, x: torch.Tensor, cache: MambaCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None) -> torch.Tensor:
         b, L, _ = x.shape
         projected = self.in_proj(x)
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
         z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
-        xBC = self._conv(xBC, cache)
+        xBC = self._conv(xBC, cache, rows)
         gn = self.n_groups * self.state_size
         xs, B, C = xBC.split((self.d_inner, gn, gn), dim=-1)
         xs = xs.reshape(b, L, self.num_heads, self.head_dim)
@@ -370,20 +418,24 @@ class NemotronHAttention(nn.Module):
         """Queries, keys and values of ``x``."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, rows: LanguageRows | None = None) -> torch.Tensor:
         b, L, _ = x.shape
         kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q, k, v = self.project(x)
         k = k.view(b, L, kv, d).transpose(1, 2)
         v = v.view(b, L, kv, d).transpose(1, 2)
-        if cache is not None:
+        if rows is not None:
+            k, v = cache.update_rows(k, v, rows)
+        elif cache is not None:
             k, v = cache.update(k, v)
         S = k.shape[2]
         # Query head h reads KV head h // rep: group the rep query heads (and their L rows) per KV head.
         q = (q * self.scale).view(b, L, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * L, d)
         dtype = q.dtype if q.dtype == k.dtype else torch.promote_types(q.dtype, k.dtype)
         scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2)  # [b, kv, rep*L, S]
-        if L > 1:  # causal, the queries being the last L of the S positions
+        if rows is not None:  # each row attends its own positions
+            scores = scores.masked_fill(~rows.mask, float("-inf"))
+        elif L > 1:  # causal, the queries being the last L of the S positions
             allowed = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
             scores = scores.view(b, kv, rep, L, S).masked_fill(~allowed, float("-inf")).view(b, kv, rep * L, S)
         probs = scores.softmax(-1, dtype=torch.float32).to(dtype)
@@ -428,9 +480,10 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = _MIXERS[block_type](config)
 
-    def forward(self, x: torch.Tensor, cache: MambaCache | KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: MambaCache | KVCache | None = None,
+                rows: LanguageRows | None = None) -> torch.Tensor:
         h = self.norm(x)
-        return x + (self.mixer(h) if self.block_type == "-" else self.mixer(h, cache))
+        return x + (self.mixer(h) if self.block_type == "-" else self.mixer(h, cache, rows))
 
 
 # --------------------------------------------------------------------------------------
@@ -490,6 +543,15 @@ class NemotronHModel(nn.Module):
             raise ValueError(f"forward_step takes one position, [batch, 1, {self.config.hidden_size}], "
                              f"got {list(inputs_embeds.shape)}")
         return self.forward(inputs_embeds, cache)
+
+    def forward_rows(self, inputs_embeds: torch.Tensor, cache: LanguageCache, rows: LanguageRows) -> torch.Tensor:
+        """One position per row ``[B, 1, hidden]``, each row at its own ``rows.positions`` (the batched
+        engine: sessions of different lengths); ``cache``'s offsets are left to the caller."""
+        self._check_cache(cache, inputs_embeds.shape[0])
+        h = inputs_embeds
+        for layer, entry in zip(self.layers, cache.layers):
+            h = layer(h, entry, rows)
+        return self.norm_f(h)
 
     def _check_cache(self, cache: LanguageCache, batch: int) -> None:
         if len(cache.layers) != len(self.layers):

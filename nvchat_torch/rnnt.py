@@ -92,7 +92,7 @@ class RnntDecoder(nn.Module):
         """One LSTM step: layer 0's input gates [1, 4H], state hc [2 * layers, 1, H] -> the new hc (its
         h[-1] is the output; ``with_output`` appends it once more as a last row, in the same op)."""
         hs, cs = [], []
-        x = self.zero_input
+        x = self.zero_input.expand(gates.shape[0], -1)
         for layer in range(self.layers):
             w_ih, w_hh, bias = self._cell(layer)
             if layer == 0:  # the input arrives as the bias: (0 + gates) + h W_hh^T, the reference's sum
@@ -187,23 +187,28 @@ class RnntTranscriber(nn.Module):
         """Decode one encoder frame [1, 1, D]; returns ``[max_symbols]`` long ids (-1 = none) and
         updates ``state``. Special pieces (language tags, <unk>) are returned too: they advance the
         prediction network, and :class:`TranscriptText` leaves them out of the text."""
+        return self.step_rows(encoded_frame, state).view(-1)
+
+    def step_rows(self, encoded: torch.Tensor, state: RnntState) -> torch.Tensor:
+        """:meth:`step` for ``B`` streams: encoder frames ``[B, 1, D]``, ``state.hc [2 * layers + 1, B, H]``
+        -> ``[max_symbols, B]`` ids (-1 = none). Rows decode independently."""
         decoder, layers = self.decoder, self.decoder.layers
         pred = self.joint.pred
         # enc(e) + pred(p) as one addmm per symbol: the frame's projection rides in the bias.
-        frame_bias = self.joint.enc(encoded_frame.reshape(1, -1)) + pred.bias
+        frame_bias = self.joint.enc(encoded.reshape(encoded.shape[0], -1)) + pred.bias
         hc = state.hc
         active = None
         tokens, kept = [], []
         for _ in range(self.max_symbols):
-            token = self.joint.joint_net(linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [1]
+            token = self.joint.joint_net(linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [B]
             emitted = token != self.blank_id
             active = emitted if active is None else active & emitted
             # The candidate state is computed every time and kept only while tokens are being emitted.
-            hc = torch.where(active, decoder.step(decoder.input_gates(token), hc[:2 * layers], with_output=True), hc)
+            hc = torch.where(active[:, None], decoder.step(decoder.input_gates(token), hc[:2 * layers], with_output=True), hc)
             tokens.append(token)
             kept.append(active)
         state.hc = hc
-        return torch.where(torch.cat(kept), torch.cat(tokens), -1)
+        return torch.where(torch.stack(kept), torch.stack(tokens), -1)
 
     @torch.no_grad()
     def greedy_decode(self, encoded: torch.Tensor) -> list[int]:

@@ -25,9 +25,9 @@ from torch import nn
 
 from .codec import Codec
 from .config import CodecConfig, TTSConfig
-from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache
+from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache, TTSRows
 from .layers import Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
-from .mog import FusedMoGHead, MoGHead, sample_component
+from .mog import FusedMoGHead, Generators, MoGHead, draw, sample_component
 from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
                       GatedFusion)
 
@@ -161,13 +161,21 @@ class EarTTS(nn.Module):
 
     forward = warmup
 
-    def forward_step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache) -> torch.Tensor:
-        """Previous codes ``[1, 1, Q]`` and this step's text id ``[1]`` -> hidden ``[2, 1, H]``."""
-        _check_shape("prev_codes", prev_codes, (1, 1, self.config.num_quantizers), integer=True)
-        _check_shape("text_id", text_id, (1,), integer=True)
-        code_embed = self.embed_code(self.depth_sum(prev_codes.view(1, -1)).to(self.activation_dtype))
-        text = self.embed_subword(text_id.view(1, 1)).view(1, -1)
-        return self.backbone.forward_step(self._fuse_inputs(code_embed, text).view(2, 1, -1), cache)
+    def forward_step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
+                     rows: TTSRows | None = None) -> torch.Tensor:
+        """Previous codes ``[B, 1, Q]`` and this step's text ids ``[B]`` -> hidden ``[2B, 1, H]`` (each
+        session's conditional and unconditional rows next to each other). ``B`` is 1 unless ``rows``
+        places each session at its own position (the batched engine)."""
+        b = 1 if rows is None else rows.positions.shape[0] // 2
+        _check_shape("prev_codes", prev_codes, (b, 1, self.config.num_quantizers), integer=True)
+        _check_shape("text_id", text_id, (b,), integer=True)
+        code_embed = self.embed_code(self.depth_sum(prev_codes.view(b, -1)).to(self.activation_dtype))
+        text = self.embed_subword(text_id.view(b, 1)).view(b, -1)
+        if rows is None:
+            return self.backbone.forward_step(self._fuse_inputs(code_embed, text).view(2, 1, -1), cache)
+        cond = torch.stack([text, self.null_emb.to(text.dtype).expand_as(text)], dim=1)  # [B, 2, H]
+        fused = self.gated_fusion_audio_text(code_embed[:, None], cond)
+        return self.backbone.forward_rows(fused.view(2 * b, 1, -1), cache, rows)
 
     # ---- codes
 
@@ -175,9 +183,10 @@ class EarTTS(nn.Module):
         """The codebooks in float32 ``[Q, K, latent]`` and their squared norms ``[Q, K]`` (see :func:`_squared_norms`)."""
         return self.rvq_embs.float(), squared_norms(self.rvq_embs)
 
-    def generate_codes(self, hidden: torch.Tensor, generator: torch.Generator | None = None,
-                       deterministic: bool = False) -> torch.Tensor:
-        """Hidden ``[2, 1, H]`` -> codes ``[1, 1, Q]`` (long) by the iterative MoG schedule.
+    def generate_codes(self, hidden: torch.Tensor, generator: Generators = None,
+                       deterministic: bool | torch.Tensor = False) -> torch.Tensor:
+        """Hidden ``[2B, 1, H]`` -> codes ``[B, 1, Q]`` (long) by the iterative MoG schedule (``B`` sessions,
+        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`).
 
         Each draw sees the embedding of the codes decided so far; its proposal (plus Gaussian noise
         ``* noise_scale``) is assigned greedily to the draw's quantizers, starting afresh at the
@@ -185,35 +194,39 @@ class EarTTS(nn.Module):
         mode); otherwise top-p + Gumbel-max with ``generator``'s uniform and normal draws.
         """
         config = self.config
-        _check_shape("hidden", hidden, (2, 1, config.hidden_size))
+        b = hidden.shape[0] // 2
+        _check_shape("hidden", hidden, (2 * b, 1, config.hidden_size))
         books, sq_norms = self.codebooks()
-        hidden = hidden.view(2, -1)
-        decided: torch.Tensor | None = None  # float32 [1, latent]: sum of the chosen codebook rows
+        hidden = hidden.view(2 * b, -1)
+        decided: torch.Tensor | None = None  # float32 [B, latent]: sum of the chosen codebook rows
         picked: list[torch.Tensor] = []
-        for draw, (start, count) in enumerate(self.schedule):
+        for step, (start, count) in enumerate(self.schedule):
             x = hidden
             if decided is not None:  # hidden + embed_code(decided), both rows, as one addmm
-                x = torch.addmm(hidden, decided.to(hidden.dtype).expand(2, -1), self.embed_code.weight.to(hidden.dtype).t())
+                rows = decided.expand(2, -1) if b == 1 else decided.repeat_interleave(2, dim=0)
+                x = torch.addmm(hidden, rows.to(hidden.dtype), self.embed_code.weight.to(hidden.dtype).t())
             mean, std = self.mog_head(x, config.guidance_scale, config.top_p, generator, deterministic)
             residual = mean.float()
-            if not deterministic and config.noise_scale > 0:
-                noise = torch.randn(residual.shape, generator=generator, device=residual.device)
+            if deterministic is not True and config.noise_scale > 0:  # deterministic rows draw 0 (no generator)
+                noise = draw(torch.randn, residual.shape, generator, residual.device)
                 residual = torch.addcmul(residual, std.float(), noise, value=config.noise_scale)
-            last_draw = draw == len(self.schedule) - 1
+            last_draw = step == len(self.schedule) - 1
             for q in range(start, start + count):
-                index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [1]
+                index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [B]
                 row = books[q].index_select(0, index)
                 picked.append(index)
                 if q + 1 < start + count:
                     residual = residual - row
                 if not last_draw:
                     decided = row if decided is None else decided + row
-        return torch.stack(picked, dim=-1).view(1, 1, config.num_quantizers)
+        return torch.stack(picked, dim=-1).view(b, 1, config.num_quantizers)
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
-             generator: torch.Generator | None = None, deterministic: bool = False) -> torch.Tensor:
-        """One frame: previous codes ``[1, 1, Q]``, text id ``[1]`` -> codes ``[1, 1, Q]``."""
-        return self.generate_codes(self.forward_step(prev_codes, text_id, cache), generator, deterministic)
+             generator: Generators = None, deterministic: bool | torch.Tensor = False,
+             rows: TTSRows | None = None) -> torch.Tensor:
+        """One frame: previous codes ``[B, 1, Q]``, text ids ``[B]`` -> codes ``[B, 1, Q]`` (``B`` = 1 unless
+        ``rows``)."""
+        return self.generate_codes(self.forward_step(prev_codes, text_id, cache, rows), generator, deterministic)
 
 
 class FusedEarTTS(EarTTS):
@@ -319,9 +332,9 @@ class SpeechDecoder(nn.Module):
         return cache, prompt.codes[:, -1:].clone()
 
     def reset_on_eos(self, prev_codes: torch.Tensor, text_id: torch.Tensor) -> torch.Tensor:
-        """``prev_codes [1, 1, Q]``, or the silence codes where ``text_id [1]`` is EOS (on the device)."""
-        _check_shape("prev_codes", prev_codes, (1, 1, self.config.num_quantizers), integer=True)
-        _check_shape("text_id", text_id, (1,), integer=True)
+        """``prev_codes [B, 1, Q]``, or the silence codes where ``text_id [B]`` is EOS (on the device)."""
+        _check_shape("prev_codes", prev_codes, (text_id.shape[0], 1, self.config.num_quantizers), integer=True)
+        _check_shape("text_id", text_id, (prev_codes.shape[0],), integer=True)
         return torch.where((text_id == self.eos_token_id).view(-1, 1, 1), self.silence_codes(prev_codes.dtype), prev_codes)
 
     def silence_codes(self, dtype: torch.dtype) -> torch.Tensor:
@@ -329,9 +342,12 @@ class SpeechDecoder(nn.Module):
         return self.codec_silence_tokens.to(dtype)
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
-             generator: torch.Generator | None = None, deterministic: bool = False) -> torch.Tensor:
-        """One frame of codes ``[1, 1, Q]`` (long) from the previous codes and this step's text id ``[1]``."""
-        return self.tts_model.step(self.reset_on_eos(prev_codes, text_id), text_id, cache, generator, deterministic)
+             generator: Generators = None, deterministic: bool | torch.Tensor = False,
+             rows: TTSRows | None = None) -> torch.Tensor:
+        """One frame of codes ``[B, 1, Q]`` (long) from the previous codes and this step's text ids ``[B]``
+        (``B`` = 1 unless ``rows``: the batched engine's sessions, each at its own position)."""
+        return self.tts_model.step(self.reset_on_eos(prev_codes, text_id), text_id, cache, generator, deterministic,
+                                   rows)
 
     def replace_control_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """``[..., Q]`` codes with every control code replaced by its quantizer's silence code."""
