@@ -4,6 +4,7 @@
     python -m benchmarks.frame_loop --device mps         # the same on an Apple GPU
     python -m benchmarks.frame_loop --model weights/NemotronLabs-VoiceChat-11B-4bit --device mps
     python -m benchmarks.frame_loop --memory             # memory of the full-size model as loaded
+    python -m benchmarks.frame_loop --sessions 1,2,4,8   # the batched engine: sessions per step
 
 Without ``--model`` it generates (once, cached) a model with tiny widths but the real depth of every
 network: 56 Nemotron-H layers with the real pattern, 24 Conformer layers, 28 TTS layers, 3 codec
@@ -123,6 +124,53 @@ def run_ours(path: Path | None, args, wave: np.ndarray) -> dict:
             "model_mb": model_bytes(model) / 2**20}
 
 
+def run_engine(path: Path | None, args, wave: np.ndarray, counts: list[int]) -> list[dict]:
+    """The batched engine with ``n`` sessions for each ``n`` in ``counts`` (one model): frames per second
+    over all sessions, the real-time factor of each (a step's wall time / 80 ms), ops and host reads
+    per step."""
+    device = torch.device(args.device) if args.device else None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = full_random_model(args) if path is None else nv.load_model(path, device=device, dtype=dtype,
+                                                                        weights=args.weights)
+    device = model.device
+    frames = [wave[i:i + FRAME] for i in range(0, len(wave) - FRAME + 1, FRAME)]
+    rows = []
+    for n in counts:
+        engine = model.create_engine(max_sessions=n)
+        sessions = [engine.open(nv.StreamingOptions(system_prompt=PROMPT, seed=i)) for i in range(n)]
+
+        def step(frame: np.ndarray) -> None:
+            for s in sessions:
+                s.push_audio(frame, 16000)
+            engine.step()
+
+        for frame in frames[:args.warmup]:
+            step(frame)
+        with count_host_reads() as reads, OpCounter() as ops:
+            step(frames[args.warmup])
+        timed = frames[args.warmup + 1:]
+        _sync(device)
+        t0 = time.perf_counter()
+        for frame in timed:
+            step(frame)
+        _sync(device)
+        wall = (time.perf_counter() - t0) / max(1, len(timed))
+        rows.append({"sessions": n, "step_ms": wall * 1000, "frames_per_second": n / wall,
+                     "realtime_factor": wall / 0.08, "ops_per_step": ops.non_view,
+                     "host_reads_per_step": sum(reads.values())})
+    for row in rows:
+        row["speedup"] = row["frames_per_second"] / rows[0]["frames_per_second"]
+    return rows
+
+
+def engine_table(rows: list[dict]) -> str:
+    lines = [f"{'sessions':>8}{'step ms':>10}{'frames/s':>10}{'x first':>9}{'RTF each':>10}{'ops':>7}{'reads':>7}"]
+    for r in rows:
+        lines.append(f"{r['sessions']:>8}{r['step_ms']:>10.2f}{r['frames_per_second']:>10.1f}{r['speedup']:>9.2f}"
+                     f"{r['realtime_factor']:>10.3f}{r['ops_per_step']:>7}{r['host_reads_per_step']:>7}")
+    return "\n".join(lines)
+
+
 def run_reference(path: Path, args, wave: np.ndarray) -> dict | None:
     try:
         from mlx_vlm.utils import load
@@ -194,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-reference", action="store_true", help="skip the MLX reference")
     p.add_argument("--memory", action="store_true", help="print the full-size model's memory and exit")
+    p.add_argument("--sessions", default=None,
+                   help="comma-separated session counts (e.g. 1,2,4,8): the batched engine's scaling instead")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.memory:
@@ -208,6 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = generated_checkpoint(args.preset, None if args.bits == "none" else int(args.bits))
     wave = test_signal(args.seconds)
+    if args.sessions:
+        counts = [int(c) for c in args.sessions.split(",")]
+        rows = run_engine(path, args, wave, counts)
+        print(f"machine: {machine()}")
+        print(f"engine:  {len(wave) // FRAME - args.warmup - 1} steps timed after {args.warmup + 1} cold, "
+              f"every session with a frame each step")
+        print(engine_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "engine": rows}, indent=1) + "\n")
+        return 0
     ours = run_ours(path, args, wave)
     ref = None if args.no_reference or path is None else run_reference(path, args, wave)
     s = ours["summary"]

@@ -49,11 +49,11 @@ def relative_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
 def add_linear(x: torch.Tensor, linear: nn.Module, h: torch.Tensor, alpha: float = 1.0,
                weight: torch.Tensor | None = None) -> torch.Tensor:
     """``x + alpha * linear(h)``; one ``addmm`` (one kernel) for a bias-free ``nn.Linear`` (or a given
-    ``weight`` [out, in]) on one position, as the streaming step has."""
+    ``weight`` [out, in]) on one position per row ``[B, 1, d]``, as the streaming step has."""
     w = linear.weight if weight is None and isinstance(linear, nn.Linear) else weight
-    if w is not None and linear.bias is None and x.shape[:-1].numel() == 1:
-        dtype = promoted(x, h, w)
-        return torch.addmm(x.view(1, -1), h.reshape(1, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
+    if w is not None and linear.bias is None and x.dim() == 3 and x.shape[1] == 1:
+        dtype, rows = promoted(x, h, w), x.shape[0]
+        return torch.addmm(x.view(rows, -1), h.reshape(rows, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
     y = linear(h) if weight is None else promoted_linear(h, weight, linear.bias)
     return torch.add(x, y, alpha=alpha)
 

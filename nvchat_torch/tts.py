@@ -184,9 +184,10 @@ class EarTTS(nn.Module):
         return self.rvq_embs.float(), squared_norms(self.rvq_embs)
 
     def generate_codes(self, hidden: torch.Tensor, generator: Generators = None,
-                       deterministic: bool | torch.Tensor = False) -> torch.Tensor:
+                       deterministic: bool | torch.Tensor = False, batched: bool = False) -> torch.Tensor:
         """Hidden ``[2B, 1, H]`` -> codes ``[B, 1, Q]`` (long) by the iterative MoG schedule (``B`` sessions,
-        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`).
+        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`). ``batched``: the
+        same ops whatever ``B`` (the engine's steps; one session's step has a cheaper path for ``B`` = 1).
 
         Each draw sees the embedding of the codes decided so far; its proposal (plus Gaussian noise
         ``* noise_scale``) is assigned greedily to the draw's quantizers, starting afresh at the
@@ -203,7 +204,7 @@ class EarTTS(nn.Module):
         for step, (start, count) in enumerate(self.schedule):
             x = hidden
             if decided is not None:  # hidden + embed_code(decided), both rows, as one addmm
-                rows = decided.expand(2, -1) if b == 1 else decided.repeat_interleave(2, dim=0)
+                rows = decided.repeat_interleave(2, dim=0) if batched else decided.expand(2, -1)
                 x = torch.addmm(hidden, rows.to(hidden.dtype), self.embed_code.weight.to(hidden.dtype).t())
             mean, std = self.mog_head(x, config.guidance_scale, config.top_p, generator, deterministic)
             residual = mean.float()
@@ -226,7 +227,8 @@ class EarTTS(nn.Module):
              rows: TTSRows | None = None) -> torch.Tensor:
         """One frame: previous codes ``[B, 1, Q]``, text ids ``[B]`` -> codes ``[B, 1, Q]`` (``B`` = 1 unless
         ``rows``)."""
-        return self.generate_codes(self.forward_step(prev_codes, text_id, cache, rows), generator, deterministic)
+        return self.generate_codes(self.forward_step(prev_codes, text_id, cache, rows), generator, deterministic,
+                                   batched=rows is not None)
 
 
 class FusedEarTTS(EarTTS):
