@@ -81,6 +81,11 @@ class EngineSession:
         return self.session.max_seconds
 
     @property
+    def failure(self) -> BaseException | None:
+        """What closed the session, if a step failed on it."""
+        return self.engine._failures.get(self)
+
+    @property
     def pending_frames(self) -> int:
         """Complete frames waiting for a step."""
         return len(self._frames)
@@ -130,6 +135,14 @@ class EngineSession:
             return []
         self.engine._release(self)
         return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
+
+    def drop_audio(self) -> int:
+        """Drop the audio not run yet (buffered frames and the partial one); returns how many samples.
+        The session goes on from the next audio pushed."""
+        self._check_open("drop_audio")
+        dropped = len(self._frames) * self.session.frame_samples + self._pending.size
+        self._frames, self._pending = [], np.zeros(0, dtype=np.float32)
+        return dropped
 
     def send_tool_result(self, call_id: str, output: Any) -> None:
         """As :meth:`StreamingSession.send_tool_result`."""
@@ -340,7 +353,8 @@ class BatchEngine:
         """One frame for every session with a complete frame pending, as one batch; the events per
         session (a flushed session's ``done`` with its last frame). Sessions with nothing pending sit
         out. A failure inside the batched pass closes every session of the engine (their caches may be
-        partly advanced) and is raised."""
+        partly advanced) and is raised; one in a session's own events (its detokenizers, tool parsing)
+        closes that session only, which then has no entry and a :attr:`EngineSession.failure`."""
         out: dict[EngineSession, list[VoiceChatEvent]] = {}
         running = [s for s in self._slots if s is not None and s._frames]
         if running:
@@ -353,7 +367,12 @@ class BatchEngine:
                 raise
             for s in running:
                 session = s.session
-                events = session._frame_events(packed[s.slot])
+                try:
+                    events = session._frame_events(packed[s.slot])
+                except Exception as error:  # this session's host side failed: it alone ends
+                    self._failures[s] = error
+                    self._release(s)
+                    continue
                 session.frame_index += 1
                 session._timeline.index += 1
                 out[s] = events

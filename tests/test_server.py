@@ -126,6 +126,14 @@ async def sdk_conversation(address: str, pcm: np.ndarray, session: dict, chunk: 
                     return got
 
 
+def assert_same_pcm(got: bytes, samples: np.ndarray) -> None:
+    """``got`` is pcm16 = round(clip(x, -1, 1) * 32767) of ``samples``, up to one step: the server's
+    batched engine gives a session's samples within float rounding (1e-5) of the session alone."""
+    want = np.frombuffer(pcm16_encode(samples), np.int16).astype(np.int32)
+    have = np.frombuffer(got, np.int16).astype(np.int32)
+    assert have.shape == want.shape and np.abs(have - want).max() <= 1
+
+
 def test_openai_sdk_gets_what_the_session_emits(model, question):
     """Deterministic, 16 kHz in and 22.05 kHz out: text, transcript and audio equal StreamingSession's."""
     prompt = "you are a helpful assistant"
@@ -138,7 +146,7 @@ def test_openai_sdk_gets_what_the_session_emits(model, question):
     assert got["transcript"] == deltas(events, "user_transcript_delta") and ref.user_transcript
     assert "".join(got["completed"]) == got["transcript"]
     assert len(got["audio"]) == 2 * len(audio) == 2 * ref.frame_index * 1764
-    assert got["audio"] == pcm16_encode(audio)  # pcm16 = round(clip(x, -1, 1) * 32767) of the same samples
+    assert_same_pcm(got["audio"], audio)
     # each response's transcript is the text between its utterance's start and its end
     assert "".join(r.output[0].content[0].transcript for r in got["responses"]) == got["text"]
     assert all(r.status == "completed" for r in got["responses"])
@@ -208,7 +216,7 @@ def test_mlx_vlm_dialect(model, question):
     chunks = [e for e in events if e["type"] == "response.audio.delta"]
     assert [c["frame_index"] for c in chunks] == list(range(ref.frame_index))
     assert all(c["sample_rate"] == 22050 and c["format"] == "pcm16" and c["channels"] == 1 for c in chunks)
-    assert b"".join(base64.b64decode(c["delta"]) for c in chunks) == pcm16_encode(audio)
+    assert_same_pcm(b"".join(base64.b64decode(c["delta"]) for c in chunks), audio)
     codes = np.array([c["audio_codes"] for c in chunks])
     assert np.array_equal(codes, np.stack([e.audio_codes for e in ref_events if e.kind == "audio"]))
 
@@ -265,7 +273,8 @@ def test_bad_input_gets_an_error_and_the_connection_survives(model, question):
 
 
 class _FailingModel:
-    """The model, but sessions with seed 13 raise on their first frame."""
+    """The model, but the engine's sessions with seed 13 fail on their first frame (their host side
+    raises, as a failing detokenizer would)."""
 
     def __init__(self, model):
         self._model = model
@@ -273,13 +282,20 @@ class _FailingModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def create_streaming_session(self, options):
-        session = self._model.create_streaming_session(options)
-        if options.seed == 13:
-            def boom(*args, **kwargs):
-                raise RuntimeError("injected failure")
-            session.push_audio = boom
-        return session
+    def create_engine(self, max_sessions, profile=False):
+        engine = self._model.create_engine(max_sessions, profile)
+        open_session = engine.open
+
+        def open(options):
+            handle = open_session(options)
+            if options.seed == 13:
+                def boom(*args, **kwargs):
+                    raise RuntimeError("injected failure")
+                handle.session._frame_events = boom
+            return handle
+
+        engine.open = open
+        return engine
 
 
 def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, question):
@@ -322,7 +338,8 @@ def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, questio
     assert code == 1011
     for got, pcm in ((a, question), (b, other), (c, question)):
         _, events, audio = reference(model, pcm, deterministic=True, seed=0 if got is not b else 1)
-        assert got["text"] == deltas(events) and got["audio"] == pcm16_encode(audio)
+        assert got["text"] == deltas(events)
+        assert_same_pcm(got["audio"], audio)
 
 
 def get_json(url: str, headers: dict | None = None) -> dict:
@@ -428,12 +445,19 @@ class _CallingModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def create_streaming_session(self, options):
-        session = self._model.create_streaming_session(options)
-        for span in self.spans:
-            session.force_tokens("function", self._model.tokenizer.encode(span, add_special_tokens=False))
-        self.sessions.append(session)
-        return session
+    def create_engine(self, max_sessions, profile=False):
+        engine = self._model.create_engine(max_sessions, profile)
+        open_session = engine.open
+
+        def open(options):
+            session = open_session(options)
+            for span in self.spans:
+                session.force_tokens("function", self._model.tokenizer.encode(span, add_special_tokens=False))
+            self.sessions.append(session)
+            return session
+
+        engine.open = open
+        return engine
 
 
 def test_tool_calls_over_the_realtime_protocol(make_checkpoint, question):
@@ -496,43 +520,44 @@ async def wait_for_error(conn):
             return event.error
 
 
-def test_scheduler_interleaves_sessions_frame_by_frame():
-    """Two sessions with many queued frames take turns, one frame each, on the worker thread."""
-    from types import SimpleNamespace
-
-    from nvchat_torch.events import VoiceChatEvent
+def test_scheduler_steps_the_sessions_together_on_its_clock(model):
+    """Two sessions with many queued frames run one frame each per step, as one batch, on the worker
+    thread at the clock's pace; a session with no full frame sits out; a mark waits for its frames."""
     from nvchat_torch.server.scheduler import FrameScheduler
 
-    ran = []
-
-    class Session:
-        last_ids = (5, 5)
-
-        def __init__(self, name):
-            self.name = name
-
-        def push_audio(self, samples, rate):
-            assert len(samples) <= 1280 and threading.current_thread().name == "nvchat-frames"
-            ran.append(self.name)
-            time.sleep(0.002)
-            return [VoiceChatEvent("audio", len(ran))]
-
-    model = SimpleNamespace(config=SimpleNamespace(input_frame_samples=1280, input_sample_rate=16000),
-                            create_streaming_session=lambda options: Session(options.system_prompt))
-    scheduler = FrameScheduler(model)
+    clock = 0.03
+    scheduler = FrameScheduler(model, max_sessions=2, clock=clock)
+    outputs: dict[str, list] = {"a": [], "b": []}
     done = {"a": threading.Event(), "b": threading.Event()}
+
+    def deliver(out, name):
+        assert threading.current_thread().name == "nvchat-frames"
+        outputs[name].append((out, time.perf_counter()))
+        if out.kind == "mark":
+            done[name].set()
+
     try:
         handles = {}
         with scheduler._cond:  # queue everything before the worker starts (the lock is reentrant)
             for name in ("a", "b"):
-                handles[name] = scheduler.open(nv.StreamingOptions(system_prompt=name),
-                                               lambda out, name=name: out.kind == "mark" and done[name].set())
-            scheduler.push(handles["a"], np.zeros(20 * 1280, np.float32))  # a's 20 frames are queued first
-            scheduler.push(handles["b"], np.zeros(10 * 1280, np.float32))
+                handles[name] = scheduler.open(nv.StreamingOptions(system_prompt=name, deterministic=True),
+                                               lambda out, name=name: deliver(out, name))
+            scheduler.push(handles["a"], np.zeros(20 * 1280, np.float32))
+            scheduler.push(handles["b"], np.zeros(10 * 1280 + 700, np.float32))  # and a partial frame
             for name in ("a", "b"):
                 scheduler.mark(handles[name], "end")
-        assert done["a"].wait(30) and done["b"].wait(30)
-        assert ran[:20] == ["a", "b"] * 10 and ran[20:] == ["a"] * 10
+        assert done["a"].wait(60) and done["b"].wait(60)
+        frames = {name: [(out, t) for out, t in got if out.kind == "events"] for name, got in outputs.items()}
+        assert [len(frames[n]) for n in "ab"] == [20, 10]
+        for name in "ab":
+            assert [e.frame_index for out, _ in frames[name] for e in out.events if e.kind == "audio"] == \
+                list(range(len(frames[name])))
+            assert outputs[name][-1][0].kind == "mark"  # after every frame queued before it
+        # the first 10 steps ran both sessions: the same step, the same compute time
+        assert [out.compute_s for out, _ in frames["a"][:10]] == [out.compute_s for out, _ in frames["b"]]
+        assert scheduler.engine.steps == 20
+        times = [t for _, t in frames["a"]]
+        assert times[-1] - times[0] >= 19 * clock * 0.9
         scheduler.close(handles["a"])
         assert scheduler.active == 1
     finally:

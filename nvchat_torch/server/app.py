@@ -73,7 +73,7 @@ class RealtimeServer:
     """What all connections share: the model, its scheduler, the session slots and the API key."""
 
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         self.model = model
@@ -81,7 +81,7 @@ class RealtimeServer:
         self.max_sessions = max_sessions
         self.api_key = api_key
         self.max_message_bytes = max_message_bytes
-        self.scheduler = FrameScheduler(model)
+        self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock)
         self._lock = threading.Lock()
         self.active = 0
 
@@ -114,10 +114,11 @@ class RealtimeServer:
 
 
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
-               max_message_bytes: int = MAX_MESSAGE_BYTES) -> FastAPI:
-    """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket."""
+               max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None) -> FastAPI:
+    """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
+    sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame)."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
-                            max_message_bytes=max_message_bytes)
+                            max_message_bytes=max_message_bytes, clock=clock)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield

@@ -1,10 +1,12 @@
-"""Where the server steps its sessions: one worker thread, one frame per session per turn.
+"""Where the server steps its sessions: one worker thread driving a :class:`~nvchat_torch.engine.BatchEngine`
+on a fixed 80 ms clock.
 
-Every model call (opening a session, which prefills its system prompt, and each 80 ms frame) runs
-on the worker thread, never on the event loop, so pings and the other connections' I/O stay live.
-Each turn gives every session that has work one job of at most one frame, so frames of different
-sessions interleave fairly. This class is the one place that steps sessions: an engine that steps
-them as one batch can replace it behind the same five methods (open, push, pad, mark, close).
+Every model call (opening a session, which prefills its system prompt, and each batched step) runs on
+the worker thread, never on the event loop, so pings and the other connections' I/O stay live. Each
+tick the worker hands every session its queued audio (buffering only) and runs its other jobs in
+order once the frames queued before them have run; then one engine step runs one frame for every
+session that has a complete frame, as one batch. A session whose client has not sent a full frame
+sits that step out. The server's ``--max-sessions`` is the engine's ``max_sessions``.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ class Output:
     """What the worker hands back to a connection, in the order the jobs ran.
 
     kind: "opened" | "events" (one frame's or a flush's events; ``ids`` the frame's raw text and
-    function ids, ``compute_s`` the wall time it took) | "mark" (``tag`` as queued) | "limit"
-    (``events`` ran, then max_streaming_seconds was reached) | "rejected" (a queued call raised
-    ``ValueError``; the session goes on) | "error" (``error``: the exception; the session is over).
+    function ids, ``compute_s`` the wall time of the step that ran it) | "mark" (``tag`` as queued) |
+    "limit" (max_streaming_seconds was reached: the frames before it ran, the rest was dropped) |
+    "rejected" (a queued call raised ``ValueError``; the session goes on) | "error" (``error``: the
+    exception; the session is over).
     """
 
     kind: str
@@ -43,19 +46,25 @@ class Output:
 class _Slot:
     def __init__(self, deliver: Callable[[Output], None]):
         self.deliver = deliver
-        self.session = None
+        self.session = None  # its EngineSession once opened
         self.jobs: deque = deque()
         self.fed = 0  # samples given to the session, for padding the partial frame
         self.closed = False
 
 
 class FrameScheduler:
-    def __init__(self, model):
+    """``clock``: seconds between steps (the frame duration: real time); 0 steps as soon as a frame is
+    pending (batch processing, tests)."""
+
+    def __init__(self, model, max_sessions: int = 4, clock: float | None = None):
         self.model = model
+        self.engine = model.create_engine(max_sessions=max_sessions)
+        self.clock = model.config.frame_duration if clock is None else clock
         self.frame_samples = model.config.input_frame_samples
         self.sample_rate = model.config.input_sample_rate
         self._cond = threading.Condition()
-        self._slots: dict[int, _Slot] = {}  # insertion order is the round-robin order
+        self._slots: dict[int, _Slot] = {}
+        self._closing: list[_Slot] = []  # closed by their connection: released on the worker thread
         self._next = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="nvchat-frames", daemon=True)
@@ -73,9 +82,9 @@ class FrameScheduler:
         return handle
 
     def push(self, handle: int, samples: np.ndarray) -> None:
-        """Queue 16 kHz float32 audio, split so that each job runs at most one frame."""
-        step = self.frame_samples
-        self._queue(handle, *[("audio", samples[i:i + step]) for i in range(0, len(samples), step)])
+        """Queue 16 kHz float32 audio."""
+        if len(samples):
+            self._queue(handle, ("audio", samples))
 
     def pad(self, handle: int) -> None:
         """Queue zeros that complete the partial frame, so all audio pushed so far is heard."""
@@ -96,20 +105,26 @@ class FrameScheduler:
         self._queue(handle, ("call", method, args))
 
     def drop_audio(self, handle: int) -> int:
-        """Drop queued audio that has not run yet; returns how many samples were dropped."""
+        """Drop audio that has not run yet (queued, and buffered in the engine: the worker drops that
+        before any other job); returns how many queued samples were dropped."""
         with self._cond:
             slot = self._slots.get(handle)
             if slot is None:
                 return 0
-            kept = deque(job for job in slot.jobs if job[0] != "audio")
             dropped = sum(len(job[1]) for job in slot.jobs if job[0] == "audio")
-            slot.jobs = kept
+            slot.jobs = deque(job for job in slot.jobs if job[0] != "audio")
+            slot.jobs.appendleft(("drop",))
+            self._cond.notify()
             return dropped
 
     def backlog_samples(self, handle: int) -> int:
+        """Samples received and not run yet: queued, and frames waiting in the engine."""
         with self._cond:
             slot = self._slots.get(handle)
-            return 0 if slot is None else sum(len(job[1]) for job in slot.jobs if job[0] == "audio")
+            if slot is None:
+                return 0
+            waiting = 0 if slot.session is None else slot.session.pending_frames * self.frame_samples
+            return waiting + sum(len(job[1]) for job in slot.jobs if job[0] == "audio")
 
     def close(self, handle: int) -> None:
         """Forget the session at once: its queued jobs are dropped and its caches released."""
@@ -118,7 +133,8 @@ class FrameScheduler:
             if slot is not None:
                 slot.closed = True
                 slot.jobs.clear()
-                slot.session = None
+                self._closing.append(slot)
+                self._cond.notify()
 
     @property
     def active(self) -> int:
@@ -140,45 +156,80 @@ class FrameScheduler:
             self._cond.notify()
 
     # ---- the worker thread
+    def _busy(self) -> bool:
+        return bool(self._closing) or any(s.jobs or (s.session is not None and (s.session.pending_frames or s.session.finishing))
+                                          for s in self._slots.values())
+
     def _run(self) -> None:
+        next_step = time.perf_counter()
         while True:
             with self._cond:
-                while not self._stop and not any(s.jobs for s in self._slots.values()):
+                while not self._stop and not self._busy():
                     self._cond.wait()
                 if self._stop:
                     return
-                turn = [(slot, slot.jobs.popleft()) for slot in self._slots.values() if slot.jobs]
-            for slot, job in turn:
-                if not slot.closed:
-                    self._execute(slot, job)
+                closing, self._closing = self._closing, []
+                slots = list(self._slots.values())
+            for slot in closing:
+                if slot.session is not None and not slot.session.closed:
+                    slot.session.cancel()
+                slot.session = None
+            for slot in slots:
+                self._feed(slot)
+            if any(s.session is not None and (s.session.pending_frames or s.session.finishing) for s in slots):
+                delay = next_step - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                next_step = max(next_step + self.clock, time.perf_counter() - self.clock)
+                self._step(slots)
+
+    def _feed(self, slot: _Slot) -> None:
+        """Run the slot's queued jobs in order: audio is only buffered; any other job waits until the
+        frames queued before it have run."""
+        while not slot.closed:
+            with self._cond:
+                if not slot.jobs:
+                    return
+                job = slot.jobs[0]
+                if job[0] not in ("audio", "open", "drop") and slot.session is not None and slot.session.pending_frames:
+                    return
+                slot.jobs.popleft()
+            self._execute(slot, job)
 
     def _execute(self, slot: _Slot, job: tuple) -> None:
         kind = job[0]
         try:
             if kind == "open":
-                slot.session = self.model.create_streaming_session(job[1])
+                slot.session = self.engine.open(job[1])
                 out = Output("opened")
             elif kind == "mark":
                 out = Output("mark", tag=job[1])
+            elif kind == "limit":
+                out = Output("limit", error=job[1])
             else:
                 session = slot.session
-                if session is None:
+                if session is None or session.closed:
                     return  # closed while this job was in flight
-                start = time.perf_counter()
+                if kind == "drop":
+                    session.drop_audio()
+                    slot.fed = 0
+                    return
                 if kind in ("audio", "pad"):
                     samples = job[1] if kind == "audio" else np.zeros(-slot.fed % self.frame_samples, np.float32)
                     if not len(samples):
                         return
                     slot.fed += len(samples)
                     try:
-                        events = session.push_audio(samples, self.sample_rate)
-                    except ContextLimit as limit:
-                        slot.jobs.clear()
-                        slot.deliver(Output("limit", events=list(limit.events), error=limit))
-                        return
-                elif kind == "flush":
-                    events = session.flush(pad_partial=job[1])
-                elif kind == "cancel":
+                        session.push_audio(samples, self.sample_rate)
+                    except ContextLimit as limit:  # reported once the frames before it have run
+                        with self._cond:
+                            slot.jobs.clear()
+                            slot.jobs.append(("limit", limit))
+                    return
+                if kind == "flush":
+                    session.flush(pad_partial=job[1])
+                    return  # its done event comes with its last step
+                if kind == "cancel":
                     events = session.cancel()
                 else:  # "call": a bad argument (say an unknown call_id) is the client's error, not the session's
                     try:
@@ -186,11 +237,37 @@ class FrameScheduler:
                     except ValueError as e:
                         slot.deliver(Output("rejected", error=e))
                         return
-                ran = any(e.kind == "audio" for e in events)
-                out = Output("events", events=events, ids=session.last_ids if ran else None,
-                             compute_s=time.perf_counter() - start if ran else 0.0)
+                out = Output("events", events=events)
         except Exception as e:  # this session ends; the others go on
-            slot.jobs.clear()
-            slot.session = None
-            out = Output("error", error=e)
+            self._fail(slot, e)
+            return
         slot.deliver(out)
+
+    def _fail(self, slot: _Slot, error: BaseException) -> None:
+        with self._cond:
+            slot.jobs.clear()
+        if slot.session is not None and not slot.session.closed:
+            slot.session.cancel()
+        slot.session = None
+        slot.deliver(Output("error", error=error))
+
+    def _step(self, slots: list[_Slot]) -> None:
+        start = time.perf_counter()
+        try:
+            results = self.engine.step()
+        except Exception as e:  # the batch failed: every session in it is over
+            for slot in slots:
+                if slot.session is not None:
+                    self._fail(slot, e)
+            return
+        compute_s = time.perf_counter() - start
+        for slot in slots:
+            if slot.session is not None and slot.session.failure is not None:  # it alone failed
+                self._fail(slot, slot.session.failure)
+                continue
+            events = results.get(slot.session) if slot.session is not None else None
+            if events is None or slot.closed:
+                continue
+            ran = any(e.kind == "audio" for e in events)
+            slot.deliver(Output("events", events=events, ids=slot.session.last_ids if ran else None,
+                                compute_s=compute_s if ran else 0.0))
