@@ -125,39 +125,52 @@ def run_ours(path: Path | None, args, wave: np.ndarray) -> dict:
 
 
 def run_engine(path: Path | None, args, wave: np.ndarray, counts: list[int]) -> list[dict]:
-    """The batched engine with ``n`` sessions for each ``n`` in ``counts`` (one model): frames per second
-    over all sessions, the real-time factor of each (a step's wall time / 80 ms), ops and host reads
-    per step."""
+    """The batched engine with ``n`` sessions for each ``n`` in ``counts`` (one model, one engine each,
+    all open at once): frames per second over all sessions, the real-time factor of each (a step's
+    wall time / 80 ms), ops and host reads per step. The counts are timed in turn, ``--rounds`` times,
+    and each keeps its median, so a busy machine slows them alike."""
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = full_random_model(args) if path is None else nv.load_model(path, device=device, dtype=dtype,
                                                                         weights=args.weights)
     device = model.device
     frames = [wave[i:i + FRAME] for i in range(0, len(wave) - FRAME + 1, FRAME)]
-    rows = []
+    engines, counted = {}, {}
     for n in counts:
         engine = model.create_engine(max_sessions=n)
-        sessions = [engine.open(nv.StreamingOptions(system_prompt=PROMPT, seed=i)) for i in range(n)]
+        sessions = [engine.open(nv.StreamingOptions(system_prompt=PROMPT, seed=i, deterministic=args.deterministic))
+                    for i in range(n)]
+        engines[n] = (engine, sessions, [0])
+    def step(n: int) -> None:
+        engine, sessions, position = engines[n]
+        frame = frames[position[0] % len(frames)]
+        position[0] += 1
+        for s in sessions:
+            s.push_audio(frame, 16000)
+        engine.step()
 
-        def step(frame: np.ndarray) -> None:
-            for s in sessions:
-                s.push_audio(frame, 16000)
-            engine.step()
-
-        for frame in frames[:args.warmup]:
-            step(frame)
+    for n in counts:
+        for _ in range(args.warmup):
+            step(n)
         with count_host_reads() as reads, OpCounter() as ops:
-            step(frames[args.warmup])
-        timed = frames[args.warmup + 1:]
-        _sync(device)
-        t0 = time.perf_counter()
-        for frame in timed:
-            step(frame)
-        _sync(device)
-        wall = (time.perf_counter() - t0) / max(1, len(timed))
+            step(n)
+        counted[n] = (ops.non_view, sum(reads.values()))
+    timed = max(1, len(frames) - args.warmup - 1)
+    walls: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(args.rounds):
+        for n in counts:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                step(n)
+            _sync(device)
+            walls[n].append((time.perf_counter() - t0) / timed)
+    rows = []
+    for n in counts:
+        wall = float(np.median(walls[n]))
         rows.append({"sessions": n, "step_ms": wall * 1000, "frames_per_second": n / wall,
-                     "realtime_factor": wall / 0.08, "ops_per_step": ops.non_view,
-                     "host_reads_per_step": sum(reads.values())})
+                     "realtime_factor": wall / 0.08, "ops_per_step": counted[n][0],
+                     "host_reads_per_step": counted[n][1], "rounds_ms": [w * 1000 for w in walls[n]]})
     for row in rows:
         row["speedup"] = row["frames_per_second"] / rows[0]["frames_per_second"]
     return rows
@@ -244,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", action="store_true", help="print the full-size model's memory and exit")
     p.add_argument("--sessions", default=None,
                    help="comma-separated session counts (e.g. 1,2,4,8): the batched engine's scaling instead")
+    p.add_argument("--rounds", type=int, default=3, help="with --sessions: times each count is timed (median)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --sessions: deterministic sessions (default: sampling, each its own seed)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.memory:
@@ -262,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(c) for c in args.sessions.split(",")]
         rows = run_engine(path, args, wave, counts)
         print(f"machine: {machine()}")
-        print(f"engine:  {len(wave) // FRAME - args.warmup - 1} steps timed after {args.warmup + 1} cold, "
-              f"every session with a frame each step")
+        mode = "deterministic" if args.deterministic else "sampling"
+        print(f"engine:  {args.rounds} rounds of {len(wave) // FRAME - args.warmup - 1} steps after {args.warmup + 1} "
+              f"cold, every session ({mode}) with a frame each step; median step time")
         print(engine_table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine(), "engine": rows}, indent=1) + "\n")

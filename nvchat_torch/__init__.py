@@ -8,6 +8,7 @@
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import ConfigError, VoiceChatConfig
+from .engine import BatchEngine, EngineSession
 from .events import ContextLimit, StreamingOptions, VoiceChatEvent, VoiceChatProfile, VoiceChatResult
 from .model import VoiceChatModel, load_model
 from .session import StreamingSession
@@ -16,6 +17,8 @@ from .tiny import load_tiny_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchEngine",
+    "EngineSession",
     "CheckpointError",
     "ConfigError",
     "ContextLimit",

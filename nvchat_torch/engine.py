@@ -94,6 +94,11 @@ class EngineSession:
     def pending_tool_calls(self) -> list[str]:
         return self.session.pending_tool_calls
 
+    @property
+    def profile(self) -> VoiceChatProfile:
+        """With ``StreamingOptions(profile=True)``: the stage times of the steps that ran its frames."""
+        return self.session.profile
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else "finishing" if self.finishing else "open"
         return f"EngineSession(slot={self.slot}, frame={self.frame_index}, {state})"
@@ -281,9 +286,6 @@ class BatchEngine:
         if not (options.use_perception_cache and options.use_language_cache):
             raise ValueError("the batched engine runs the cached networks: use_perception_cache and "
                              "use_language_cache must be True (the uncached paths are diagnostics for one session)")
-        if options.profile:
-            raise ValueError("per-session profiling is not available in the engine: create it with "
-                             "create_engine(..., profile=True), which profiles every step")
         if len(self.sessions) >= self.max_sessions:
             raise RuntimeError(f"the engine is full: {self.max_sessions} sessions are open (max_sessions)")
         session = StreamingSession(self.model, options)
@@ -385,7 +387,7 @@ class BatchEngine:
     def _run(self, running: list[EngineSession]) -> np.ndarray:
         """The batched pass; ``[rows, values]`` of each row's transcript ids, ids, codes and samples."""
         cfg, device, rows = self.config, self.device, self._rows()
-        profile = self.profile is not None
+        profile = self.profile is not None or any(s.options.profile for s in running)
         stamps = [time.perf_counter()]
 
         def mark() -> None:
@@ -451,9 +453,14 @@ class BatchEngine:
         for s in running:
             s.llm_position += 1
             s.tts_position += int(s.session._timeline.index > 0)
-        if profile:
+        if profile:  # the step's stages, for the engine and for every session that asked (its frame's)
             p, r, lm, tts, codec = np.diff(stamps) * 1000.0
-            self.profile.frames.append(FrameTiming(self.steps, p, r, lm, tts, codec, (stamps[-1] - stamps[0]) * 1000.0))
+            total = (stamps[-1] - stamps[0]) * 1000.0
+            if self.profile is not None:
+                self.profile.frames.append(FrameTiming(self.steps, p, r, lm, tts, codec, total))
+            for s in running:
+                if s.options.profile:
+                    s.session.profile.frames.append(FrameTiming(s.frame_index, p, r, lm, tts, codec, total))
         self.steps += 1
         return packed
 

@@ -247,8 +247,6 @@ def test_engine_refuses_the_diagnostic_paths(tiny):
     engine = tiny.create_engine()
     with pytest.raises(ValueError, match="use_language_cache"):
         engine.open(use_language_cache=False)
-    with pytest.raises(ValueError, match="profile=True"):
-        engine.open(profile=True)
 
 
 def test_engine_profile_times_each_stage(tiny):
@@ -260,6 +258,13 @@ def test_engine_profile_times_each_stage(tiny):
         engine.step()
     assert len(engine.profile.frames) == 5
     assert all(f.total_ms >= f.perception_ms + f.language_ms > 0 for f in engine.profile.frames)
+    engine = tiny.create_engine(max_sessions=2)
+    timed, untimed = engine.open(profile=True), engine.open()
+    for h in (timed, untimed):
+        h.push_audio(synth_audio(0.4), 16000)
+    while timed.pending_frames:
+        engine.step()
+    assert [f.frame_index for f in timed.profile.frames] == list(range(5)) and not untimed.profile.frames
 
 
 def test_forced_tokens_apply_to_their_row_only(tiny, waves):

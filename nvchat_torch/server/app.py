@@ -1,7 +1,7 @@
 """The realtime server: OpenAI Realtime GA and mlx-vlm's dialect on one ``/v1/realtime`` WebSocket.
 
-One model, up to ``max_sessions`` connections, each with its own ``StreamingSession`` stepped by
-the ``FrameScheduler`` worker. The protocol mapping (which model channel becomes which event, and
+One model, up to ``max_sessions`` connections, each with its own session in one batched engine
+stepped by the ``FrameScheduler`` worker on an 80 ms clock. The protocol mapping (which model channel becomes which event, and
 when an utterance starts and ends) is documented in docs/server.md.
 """
 
