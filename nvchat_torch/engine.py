@@ -380,7 +380,8 @@ class BatchEngine:
                 out[s] = events
         for s in self.sessions:
             if s.finishing and not s._frames:
-                out.setdefault(s, []).append(VoiceChatEvent(kind="done", frame_index=s.frame_index))
+                ending = s.session._tools.finish(s.frame_index)
+                out.setdefault(s, []).extend(ending + [VoiceChatEvent(kind="done", frame_index=s.frame_index)])
                 self._release(s)
         return out
 

@@ -257,6 +257,7 @@ class StreamingSession:
             self._pending = np.zeros(0, dtype=np.float32)
             events += self._step(torch.from_numpy(frame).to(self.model.device))
         self._close()
+        events += self._tools.finish(self.frame_index)
         events.append(VoiceChatEvent(kind="done", frame_index=self.frame_index))
         return events
 
@@ -456,6 +457,7 @@ def generate_offline(model: VoiceChatModel, audio: AudioInput | str | Path, *, s
         return model.tokenizer.decode([int(i) for i in channel if int(i) not in skip], skip_special_tokens=False)
 
     tool_calls = [e for frame, token in enumerate(ids[:, 1].tolist()) for e in tool_channel.feed(int(token), frame)]
+    tool_calls += tool_channel.finish(len(ids))
     return VoiceChatResult(text=decode(ids[:, 0]), text_ids=ids[:, 0].astype(np.int64),
                            function_ids=ids[:, 1].astype(np.int64), function_text=decode(ids[:, 1]),
                            user_transcript=transcript.text, audio=audio_np, audio_codes=codes_np,

@@ -374,6 +374,13 @@ class ToolChannel:
             self._open.append(token_id)
         return []
 
+    def finish(self, frame_index: int) -> list[VoiceChatEvent]:
+        """At the end of the stream: a ``tool_call_error`` for a call span still open (never closed)."""
+        if self._open is None:
+            return []
+        span, self._open = self._open, None
+        return [self._error(frame_index, span, "the stream ended inside a tool call (its closing token never came)")]
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 

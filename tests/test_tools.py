@@ -424,3 +424,25 @@ def test_generate_with_tools_uses_the_rendered_prompt(model, wave):
     np.testing.assert_array_equal(got.function_ids, want.function_ids)
     assert not np.array_equal(got.text_ids, plain.text_ids)  # the prompt matters
     assert got.tool_calls == [] and plain.tool_calls == []
+
+
+def test_a_call_still_open_when_the_stream_ends_is_reported(model, wave):
+    tok = model.tokenizer
+    drive = Driver(model, wave, tools=TOOLS, system_prompt="")
+    span = ids(tok, '<SPECIAL_20><TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Par')
+    drive.session.force_tokens("function", span)
+    drive.frames(len(span))
+    assert not [e for e in drive.events if e.kind.startswith("tool_call")]
+    ending = drive.session.flush()
+    assert [e.kind for e in ending] == ["tool_call_error", "done"]
+    assert "ended inside a tool call" in ending[0].reason and ending[0].frame_index == drive.session.frame_index
+    assert ending[0].text == '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Par'
+    # the engine reports it the same way, with its done
+    engine = model.create_engine(max_sessions=1)
+    h = engine.open(nv.StreamingOptions(deterministic=True, tools=TOOLS, system_prompt=""))
+    h.force_tokens("function", span)
+    h.push_audio(np.tile(wave, 2)[:len(span) * 1280], 16000)
+    while h.pending_frames:
+        engine.step()
+    h.flush()
+    assert [e.kind for e in engine.step()[h]] == ["tool_call_error", "done"]
