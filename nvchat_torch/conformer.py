@@ -142,7 +142,6 @@ class RelPositionAttention(nn.Module):
                                              kv[1, :, :length], attn_mask=bias, scale=self.scale)
         return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
 
-
     def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
         """:meth:`position_scores` per row: ``q_v [B, H, 1, hd]``, ``columns [B, W]`` each row's ring
         slots' rows of ``stream_pos`` -> ``[B, H, 1, W]``."""
@@ -191,7 +190,6 @@ class FusedRelPositionAttention(RelPositionAttention):
         window = self.pos_table.shape[-1] // 2  # slot j's distance row of the precomputed table
         return torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])
 
-
     def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
         return q_v @ self.pos_table[:, :, columns].permute(2, 0, 1, 3)  # table [H, hd, B, W]
 
@@ -227,7 +225,6 @@ class ConvModule(nn.Module):
         window = ring[:, :, slot + 1:slot + 1 + self.kernel_size]
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
         return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
-
 
     def forward_rows(self, x: torch.Tensor, ring: torch.Tensor, rows: "ConformerRows",
                      residual: torch.Tensor) -> torch.Tensor:
@@ -267,7 +264,6 @@ class ConformerLayer(nn.Module):
         x = self.conv.forward_step(self.norm_conv(x), conv_ring, conv_slot, conv_slots, residual=x)
         x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
         return self.norm_out(x)
-
 
     def forward_rows(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, rows: "ConformerRows",
                      stream_pos: torch.Tensor) -> torch.Tensor:
@@ -479,8 +475,11 @@ class FastConformer(nn.Module):
             conv=torch.zeros(n, 1, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
             mel=torch.zeros(1, self.mel_context, cfg.feat_in, dtype=dtype, device=device))
 
-    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> torch.Tensor:
-        """Push mel frames [1, k, feat_in] (k = 1 first, then 8) and return the next encoder frame [1, 1, d]."""
+    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache | ConformerRowsCache) -> torch.Tensor:
+        """Push mel frames [1, k, feat_in] (k = 1 first, then 8) and return the next encoder frame [1, 1, d].
+        With a :class:`ConformerRowsCache`, one frame per stream, each at its own (:meth:`forward_rows`)."""
+        if isinstance(cache, ConformerRowsCache):
+            return self.forward_rows(mel_frames, cache)
         mel_frames = self._check_mel(mel_frames, "forward_step")
         k = mel_frames.shape[1]
         expected = 1 if cache.consumed == 0 else self.subsampling
@@ -509,7 +508,6 @@ class FastConformer(nn.Module):
             x = layer.forward_step(x, kv, conv, n % slots, length, self.stream_pos, n % kernel, conv_slots)
         cache.frames = n + 1
         return x
-
 
     def new_rows_cache(self, batch: int) -> ConformerRowsCache:
         cfg, dtype, device = self.config, self.activation_dtype, self.pre_encode.out.weight.device
@@ -594,7 +592,8 @@ class Perception(nn.Module):
         encoded = self.encoder(mel)
         return self.proj(encoded), encoded
 
-    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_step(self, mel_frames: torch.Tensor,
+                     cache: ConformerCache | ConformerRowsCache) -> tuple[torch.Tensor, torch.Tensor]:
         encoded = self.encoder.forward_step(mel_frames, cache)
         return self.proj(encoded), encoded
 

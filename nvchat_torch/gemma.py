@@ -220,7 +220,6 @@ class TTSCache:
             held = min(start + n, window)
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
 
-
     def write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                    rows: "TTSRows") -> tuple[torch.Tensor, torch.Tensor]:
         """One position per row ``[R, kv_heads, 1, head_dim]``, each at its own ``rows.positions`` (slot =
@@ -392,8 +391,11 @@ class GemmaBackbone(nn.Module):
         causal = distance >= 0
         return self._run(x, cache, 0, {False: causal, True: causal & (distance < self.window)})
 
-    def forward_step(self, x: torch.Tensor, cache: TTSCache) -> torch.Tensor:
-        """One position ``[B, 1, H]`` at ``cache.offset``, attending to every cached position."""
+    def forward_step(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows | None = None) -> torch.Tensor:
+        """One position ``[B, 1, H]`` at ``cache.offset``, attending to every cached position; with
+        ``rows`` each row at its own position (:meth:`forward_rows`)."""
+        if rows is not None:
+            return self.forward_rows(x, cache, rows)
         if x.shape[1] != 1:
             raise ValueError(f"forward_step takes one position [B, 1, H], got {list(x.shape)}")
         return self._run(x, cache, cache.offset, {False: None, True: None})

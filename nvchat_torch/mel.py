@@ -179,8 +179,11 @@ class LogMel(nn.Module):
     def new_cache(self) -> MelCache:
         return MelCache(samples=torch.zeros(0, dtype=torch.float32, device=self.dft_basis.device))
 
-    def forward_step(self, samples: torch.Tensor, cache: MelCache) -> torch.Tensor:
-        """Push any number of samples; return the newly complete frames ``[1, k, features]``."""
+    def forward_step(self, samples: torch.Tensor, cache: MelCache | MelRowsCache) -> torch.Tensor:
+        """Push any number of samples; return the newly complete frames ``[1, k, features]``. With a
+        :class:`MelRowsCache`, one frame per stream ``[B, lookahead]`` (:meth:`forward_rows`)."""
+        if isinstance(cache, MelRowsCache):
+            return self.forward_rows(samples, cache)
         if cache.closed:
             raise RuntimeError("LogMel.forward_step: this MelCache was flushed; start a new one")
         samples = self._check_audio(samples, "forward_step")

@@ -537,11 +537,15 @@ class NemotronHModel(nn.Module):
             cache.offset += inputs_embeds.shape[1]
         return self.norm_f(h)
 
-    def forward_step(self, inputs_embeds: torch.Tensor, cache: LanguageCache) -> torch.Tensor:
-        """One position: ``[B, 1, hidden]`` -> ``[B, 1, hidden]``, advancing ``cache`` (no host syncs)."""
+    def forward_step(self, inputs_embeds: torch.Tensor, cache: LanguageCache,
+                     rows: LanguageRows | None = None) -> torch.Tensor:
+        """One position: ``[B, 1, hidden]`` -> ``[B, 1, hidden]``, advancing ``cache`` (no host syncs).
+        With ``rows`` each row is at its own position (:meth:`forward_rows`)."""
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] != 1:
             raise ValueError(f"forward_step takes one position, [batch, 1, {self.config.hidden_size}], "
                              f"got {list(inputs_embeds.shape)}")
+        if rows is not None:
+            return self.forward_rows(inputs_embeds, cache, rows)
         return self.forward(inputs_embeds, cache)
 
     def forward_rows(self, inputs_embeds: torch.Tensor, cache: LanguageCache, rows: LanguageRows) -> torch.Tensor:
