@@ -186,8 +186,10 @@ class RnntTranscriber(nn.Module):
     def step(self, encoded_frame: torch.Tensor, state: RnntState) -> torch.Tensor:
         """Decode one encoder frame [1, 1, D]; returns ``[max_symbols]`` long ids (-1 = none) and
         updates ``state``. Special pieces (language tags, <unk>) are returned too: they advance the
-        prediction network, and :class:`TranscriptText` leaves them out of the text."""
-        return self.step_rows(encoded_frame, state).view(-1)
+        prediction network, and :class:`TranscriptText` leaves them out of the text. A batch of frames
+        ``[B, 1, D]`` gives ``[max_symbols, B]`` (:meth:`step_rows`)."""
+        ids = self.step_rows(encoded_frame, state)
+        return ids.view(-1) if ids.shape[1] == 1 else ids
 
     def step_rows(self, encoded: torch.Tensor, state: RnntState) -> torch.Tensor:
         """:meth:`step` for ``B`` streams: encoder frames ``[B, 1, D]``, ``state.hc [2 * layers + 1, B, H]``

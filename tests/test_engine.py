@@ -132,8 +132,9 @@ def test_engine_equals_sessions_on_the_real_layouts(make_checkpoint, waves, name
         assert_same_events(events, run_alone(model, plan))
 
 
-def test_three_sessions_joining_at_different_frames_match_the_reference(make_checkpoint, reference, waves):
-    path = make_checkpoint(seed=0, **LAYOUTS["q4-f32-scales"])
+@pytest.mark.parametrize("name", ["float32", "q4-f32-scales"])
+def test_three_sessions_joining_at_different_frames_match_the_reference(make_checkpoint, reference, waves, name):
+    path = make_checkpoint(seed=0, **LAYOUTS.get(name, {}))
     model = nv.load_model(path, device="cpu")
     ref = reference(path)
     plans = [Plan(PROMPT, 0, waves[0], (FRAME,), start=0), Plan("be brief", 0, waves[1], (777, 3000), start=3),
