@@ -125,7 +125,10 @@ class EngineSession:
 
     def flush(self, pad_partial: bool = True) -> None:
         """End the stream: the partial frame, zero-padded if ``pad_partial`` (and within the limit), and
-        every pending frame run in the following steps, whose last returns this session's ``done``."""
+        every pending frame run in the following steps, whose last returns this session's ``done``.
+        Flushing again does nothing."""
+        if self.finishing and not self.closed:
+            return
         self._check_open("flush")
         if self._pending.size and pad_partial and self.frame_index + len(self._frames) < self.session.max_frames:
             frame = np.zeros(self.session.frame_samples, dtype=np.float32)

@@ -215,6 +215,7 @@ def test_slots_are_reused_and_limits_hold(tiny):
     ran = engine.step()
     assert set(ran) == {a, c} and a.pending_frames == c.pending_frames == wave.size // FRAME - 1
     a.flush()
+    a.flush()  # again: nothing more
     with pytest.raises(RuntimeError, match="flushed"):
         a.push_audio(wave, 16000)
     events = {}
