@@ -272,9 +272,8 @@ def test_bad_input_gets_an_error_and_the_connection_survives(model, question):
         asyncio.run(run(address))
 
 
-class _FailingModel:
-    """The model, but the engine's sessions with seed 13 fail on their first frame (their host side
-    raises, as a failing detokenizer would)."""
+class _HookedModel:
+    """The model, but every session its engine opens is first handed to ``self.opened(handle)``."""
 
     def __init__(self, model):
         self._model = model
@@ -288,14 +287,22 @@ class _FailingModel:
 
         def open(options):
             handle = open_session(options)
-            if options.seed == 13:
-                def boom(*args, **kwargs):
-                    raise RuntimeError("injected failure")
-                handle.session._frame_events = boom
+            self.opened(handle)
             return handle
 
         engine.open = open
         return engine
+
+
+class _FailingModel(_HookedModel):
+    """Sessions with seed 13 fail on their first frame (their host side raises, as a failing
+    detokenizer would)."""
+
+    def opened(self, handle):
+        if handle.options.seed == 13:
+            def boom(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            handle.session._frame_events = boom
 
 
 def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, question):
@@ -436,28 +443,17 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-class _CallingModel:
-    """The model, but each session first 'decides' to call a tool: ``spans`` are forced on its function channel."""
+class _CallingModel(_HookedModel):
+    """Each session first 'decides' to call a tool: ``spans`` are forced on its function channel."""
 
     def __init__(self, model, spans: list[str]):
-        self._model, self.spans, self.sessions = model, spans, []
+        super().__init__(model)
+        self.spans, self.sessions = spans, []
 
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def create_engine(self, max_sessions, profile=False):
-        engine = self._model.create_engine(max_sessions, profile)
-        open_session = engine.open
-
-        def open(options):
-            session = open_session(options)
-            for span in self.spans:
-                session.force_tokens("function", self._model.tokenizer.encode(span, add_special_tokens=False))
-            self.sessions.append(session)
-            return session
-
-        engine.open = open
-        return engine
+    def opened(self, handle):
+        for span in self.spans:
+            handle.force_tokens("function", self._model.tokenizer.encode(span, add_special_tokens=False))
+        self.sessions.append(handle)
 
 
 def test_tool_calls_over_the_realtime_protocol(make_checkpoint, question):
