@@ -227,9 +227,6 @@ class BatchEngine:
         self._conformer = perception.new_rows_cache(batch)
         self._rnnt = RnntState(self._start_hc.repeat(1, batch, 1))
         self._language = self._llm.new_cache(batch, dtype=dtype)
-        for entry in self._language.layers:
-            if isinstance(entry, MambaCache):
-                entry.conv_state = entry.conv_state.to(dtype)
         self._ids = torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
         tts = self._speech.tts_model
         self._tts = tts.new_cache()
@@ -431,7 +428,7 @@ class BatchEngine:
             mark()
             fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
                                 cfg.function_channel_weight)
-            language_rows = LanguageRows.make(llm_pos, int(ints[1].max()) + 1,
+            language_rows = LanguageRows.make(llm_pos, int(ints[1].max()) + 1, self._llm.config.conv_kernel,
                                               round_keys if ints[5].any() else None)
             hidden = self._llm.forward_rows(fused, self._language, language_rows)
             ids = language_heads(hidden, *self._heads).ids.view(rows, 2)
@@ -440,7 +437,8 @@ class BatchEngine:
                     ids[s.slot] = s.session._tools.apply(ids[s.slot])
             self._ids = ids
             mark()
-            tts_rows = TTSRows(tts_pos.repeat_interleave(2), int(ints[2].max()) + 1)
+            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), int(ints[2].max()) + 1,
+                                    self._speech.tts_model.backbone.window)
             codes = self._speech.step(self._codes, ids[:, 0], self._tts, generators, deterministic, tts_rows)
             codes = torch.where(tts_runs[:, None, None], codes, self._silence)
             self._codes = torch.where(tts_runs[:, None, None], codes, self._codes)

@@ -227,22 +227,34 @@ class TTSCache:
         window = self.windows[layer]
         held = rows.end if window is None else min(rows.end, window)
         self._reserve(layer, held)
-        slots = rows.positions if window is None else rows.positions % window
-        batch = torch.arange(keys.shape[0], device=keys.device)
-        self.keys[layer][batch, :, slots] = keys[:, :, 0]
-        self.values[layer][batch, :, slots] = values[:, :, 0]
+        slots = rows.positions if window is None else rows.ring_slots
+        self.keys[layer][rows.batch, :, slots] = keys[:, :, 0]
+        self.values[layer][rows.batch, :, slots] = values[:, :, 0]
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
 
 
 @dataclass
 class TTSRows:
-    """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_rows`), made once per step:
-    ``positions [R]`` (long, on the device; a session's two rows share theirs) and ``end``, the largest
-    plus one. Masks: a row attends its positions up to its own, and a sliding layer's ring only as far
-    as the row has filled it."""
+    """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_rows`), made once per step
+    by :meth:`make` and shared by the layers: ``positions [R]`` (long, on the device; a session's two
+    rows share theirs), ``end``, the largest plus one, and per row its sliding layers' ring slot. Masks:
+    a row attends its positions up to its own (``held [R, 1, 1, end]``), and a sliding layer's ring
+    only as far as the row has filled it (``ring [R, 1, 1, min(end, window)]``)."""
 
     positions: torch.Tensor
     end: int
+    batch: torch.Tensor
+    ring_slots: torch.Tensor
+    held: torch.Tensor
+    ring: torch.Tensor
+
+    @classmethod
+    def make(cls, positions: torch.Tensor, end: int, window: int) -> "TTSRows":
+        slots = torch.arange(end, device=positions.device)
+        held = slots <= positions[:, None]  # a global layer's slot = position
+        # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
+        return cls(positions, end, torch.arange(positions.shape[0], device=positions.device), positions % window,
+                   held[:, None, None], held[:, None, None, :window])
 
 
 class GemmaAttention(_Attention):
@@ -406,9 +418,4 @@ class GemmaBackbone(nn.Module):
         if x.shape[1] != 1 or x.shape[0] != rows.positions.shape[0]:
             raise ValueError(f"forward_rows takes one position per row [{rows.positions.shape[0]}, 1, H], "
                              f"got {list(x.shape)}")
-        slots = torch.arange(rows.end, device=x.device)
-        held = slots <= rows.positions[:, None]  # [R, end]: a global layer's slot = position
-        window = min(rows.end, self.window)
-        # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
-        ring = slots[:window] <= rows.positions[:, None]
-        return self._run(x, cache, 0, {False: held[:, None, None], True: ring[:, None, None]}, rows)
+        return self._run(x, cache, 0, {False: rows.held, True: rows.ring}, rows)

@@ -120,8 +120,8 @@ class KVCache:
             self.blocks = -(-end // KV_BLOCK) * KV_BLOCK
         if end > self.keys.shape[2]:
             size = grown_capacity(self.keys.shape[2], end, self.limit)
-            self.keys = self._grown(self.keys, size)
-            self.values = self._grown(self.values, size)
+            self.keys = self._grown(self.keys, size, self.offset)
+            self.values = self._grown(self.values, size, self.offset)
         self.keys[:, :, self.offset:end] = keys
         self.values[:, :, self.offset:end] = values
         self.offset = end
@@ -129,10 +129,10 @@ class KVCache:
 
     def reserve(self, end: int) -> None:
         """Room for positions ``[0, end)`` in every row (batched caches, whose rows each track their own)."""
-        if end > self.keys.shape[2]:
-            self.offset = self.keys.shape[2]  # every slot is kept
-            size = grown_capacity(self.keys.shape[2], end, self.limit)
-            self.keys, self.values = self._grown(self.keys, size), self._grown(self.values, size)
+        held = self.keys.shape[2]
+        if end > held:  # every slot is kept: each row tracks its own length
+            size = grown_capacity(held, end, self.limit)
+            self.keys, self.values = self._grown(self.keys, size, held), self._grown(self.values, size, held)
 
     def update_rows(self, keys: torch.Tensor, values: torch.Tensor,
                     rows: LanguageRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +144,14 @@ class KVCache:
             keep = rows.round_keys[:, None, None]
             keys = torch.where(keep, keys.to(torch.bfloat16).to(keys.dtype), keys)
             values = torch.where(keep, values.to(torch.bfloat16).to(values.dtype), values)
-        batch = torch.arange(keys.shape[0], device=keys.device)
-        self.keys[batch, :, rows.positions] = keys
-        self.values[batch, :, rows.positions] = values
+        self.keys[rows.batch, :, rows.positions] = keys
+        self.values[rows.batch, :, rows.positions] = values
         return self.keys[:, :, :rows.end], self.values[:, :, :rows.end]
 
-    def _grown(self, buf: torch.Tensor, size: int) -> torch.Tensor:
+    @staticmethod
+    def _grown(buf: torch.Tensor, size: int, held: int) -> torch.Tensor:
         out = buf.new_empty((*buf.shape[:2], size, buf.shape[3]))
-        out[:, :, :self.offset] = buf[:, :, :self.offset]
+        out[:, :, :held] = buf[:, :, :held]
         return out
 
     @property
@@ -161,22 +161,32 @@ class KVCache:
 
 @dataclass
 class LanguageRows:
-    """Where each row of a batched step stands (:meth:`NemotronHModel.forward_rows`), made once per step.
+    """Where each row of a batched step stands (:meth:`NemotronHModel.forward_rows`), made once per step
+    by :meth:`make` and shared by the layers.
 
     ``positions [B]``: each row's position (long, on the device); ``end``: the largest plus one, how
     many key/value slots the step attends (rows mask theirs past their own position: ``mask [B, 1, 1,
-    end]``). ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as the
-    reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
+    end]``). ``ring_write [B, 2]`` and ``ring_read [B, K]``: the Mamba conv-ring rows each row writes
+    and reads at its phase (see MambaCache). ``round_keys [B]`` or None: rows whose keys and values are
+    still stored in bf16, as the reference's cache of a bf16 prompt keeps them until its next 256-slot
+    block (see KVCache)."""
 
     positions: torch.Tensor
     end: int
+    batch: torch.Tensor
     mask: torch.Tensor
+    ring_write: torch.Tensor
+    ring_read: torch.Tensor
     round_keys: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, round_keys: torch.Tensor | None = None) -> "LanguageRows":
-        mask = torch.arange(end, device=positions.device) <= positions[:, None]
-        return cls(positions, end, mask[:, None, None], round_keys)
+    def make(cls, positions: torch.Tensor, end: int, conv_kernel: int,
+             round_keys: torch.Tensor | None = None) -> "LanguageRows":
+        device, phase = positions.device, positions % conv_kernel
+        mask = torch.arange(end, device=device) <= positions[:, None]
+        ring_read = phase[:, None] + 1 + torch.arange(conv_kernel, device=device)
+        return cls(positions, end, torch.arange(positions.shape[0], device=device), mask[:, None, None],
+                   torch.stack([phase, phase + conv_kernel], dim=1), ring_read, round_keys)
 
 
 @dataclass
@@ -299,9 +309,8 @@ class NemotronHMamba2Mixer(nn.Module):
         if rows is not None:  # one step per row, each at its own ring phase
             ring = cache.conv_state
             b, c = ring.shape[0], ring.shape[2]
-            phase = rows.positions % K
-            ring.scatter_(1, self.ring_slots[phase][..., None].expand(b, 2, c), xBC.to(ring.dtype).expand(-1, 2, -1))
-            window = ring.gather(1, (phase[:, None, None] + 1 + self.ring_slots[:, :1].view(1, K, 1)).expand(b, K, c))
+            ring.scatter_(1, rows.ring_write[..., None].expand(b, 2, c), xBC.to(ring.dtype).expand(-1, 2, -1))
+            window = ring.gather(1, rows.ring_read[..., None].expand(b, K, c))
         elif cache is None:
             window = F.pad(xBC, (0, 0, K - 1, 0))
         else:
