@@ -177,10 +177,14 @@ class FrameScheduler:
             for slot in slots:
                 self._feed(slot)
             if any(s.session is not None and (s.session.pending_frames or s.session.finishing) for s in slots):
-                delay = next_step - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                next_step = max(next_step + self.clock, time.perf_counter() - self.clock)
+                # Steps start at least one clock apart: a late (or the first after idling) step starts
+                # now and the clock restarts from it; no burst of steps makes up for lost time.
+                now = time.perf_counter()
+                if next_step > now:
+                    time.sleep(next_step - now)
+                else:
+                    next_step = now
+                next_step += self.clock
                 self._step(slots)
 
     def _feed(self, slot: _Slot) -> None:
