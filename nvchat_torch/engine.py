@@ -39,10 +39,10 @@ __all__ = ["BatchEngine", "EngineSession"]
 class EngineSession:
     """A conversation in a :class:`BatchEngine` (``engine.open``): push audio, end it; the engine steps it."""
 
-    def __init__(self, engine: BatchEngine, session: StreamingSession, slot: int) -> None:
+    def __init__(self, engine: BatchEngine, session: StreamingSession, slot: int | None) -> None:
         self.engine = engine
         self.session = session  # its host side: detokenizers, tool channel, limits, frame counter
-        self.slot = slot
+        self.slot = slot  # its row in the batch; None while its deferred prefill runs
         self.llm_position = 0  # the next LLM position (prompt included)
         self.tts_position = 0  # the next TTS position (speaker warmup and prompt included)
         self.round_keys_until = 0  # LLM positions below this store bf16 keys (see LanguageRows)
@@ -99,8 +99,14 @@ class EngineSession:
         """With ``StreamingOptions(profile=True)``: the stage times of the steps that ran its frames."""
         return self.session.profile
 
+    @property
+    def prefilling(self) -> bool:
+        """Opened with ``defer_prefill=True`` and not yet in the batch (:meth:`BatchEngine.prefill`)."""
+        return self.slot is None and not self.closed
+
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "finishing" if self.finishing else "open"
+        state = "closed" if self.closed else "prefilling" if self.slot is None else \
+            "finishing" if self.finishing else "open"
         return f"EngineSession(slot={self.slot}, frame={self.frame_index}, {state})"
 
     # ---- input
@@ -214,6 +220,7 @@ class BatchEngine:
         self._speech = model.tts_model
         self._codec = model.tts_model.audio_codec
         self._slots: list[EngineSession | None] = []
+        self._joining: list[EngineSession] = []  # deferred prefills, oldest first (see prefill)
         self._failures: dict[EngineSession, BaseException] = {}
         with torch.inference_mode():
             self._silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
@@ -276,9 +283,19 @@ class BatchEngine:
         """The open sessions, by slot."""
         return [s for s in self._slots if s is not None]
 
-    def open(self, options: StreamingOptions | None = None, **kwargs: Any) -> EngineSession:
-        """A new session (its system prompt prefilled now, at batch 1, as a :class:`StreamingSession`
-        does) in a free slot. Raises ``RuntimeError`` when ``max_sessions`` are open."""
+    @property
+    def joining(self) -> list[EngineSession]:
+        """Sessions opened with ``defer_prefill=True`` whose prompt prefill has not finished: they hold
+        no slot yet and sit out every step (:meth:`prefill` advances them)."""
+        return list(self._joining)
+
+    def open(self, options: StreamingOptions | None = None, *, defer_prefill: bool = False,
+             **kwargs: Any) -> EngineSession:
+        """A new session in a free slot, its system prompt prefilled now, at batch 1, as a
+        :class:`StreamingSession` does. With ``defer_prefill`` the prefill is left to :meth:`prefill`,
+        which runs it in pieces between steps, so a long prompt does not stall the sessions already
+        streaming; until it has run the session buffers its audio and sits out. Raises ``RuntimeError``
+        when ``max_sessions`` are open (joining ones included)."""
         if options is None:
             options = StreamingOptions(**kwargs)
         elif kwargs:
@@ -286,18 +303,53 @@ class BatchEngine:
         if not (options.use_perception_cache and options.use_language_cache):
             raise ValueError("the batched engine runs the cached networks: use_perception_cache and "
                              "use_language_cache must be True (the uncached paths are diagnostics for one session)")
-        if len(self.sessions) >= self.max_sessions:
+        if len(self.sessions) + len(self._joining) >= self.max_sessions:
             raise RuntimeError(f"the engine is full: {self.max_sessions} sessions are open (max_sessions)")
-        session = StreamingSession(self.model, options)
+        handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill), None)
+        if handle.session.prefilling:
+            self._joining.append(handle)
+        else:
+            self._join(handle)
+        return handle
+
+    def prefill(self, seconds: float | None = None) -> list[EngineSession]:
+        """Advance the deferred prefills, oldest first, one piece at a time (an LLM call over up to 256
+        prompt positions, or one TTS step) for about ``seconds`` of wall time: a piece starts only
+        while the time left exceeds the longest piece seen so far, and at least one runs per call, so a
+        prefill always progresses. ``None`` runs them all. Returns the sessions that joined the batch
+        (their prefill complete, their caches in a slot). A prefill that raises closes its session
+        only (:attr:`EngineSession.failure`)."""
+        joined: list[EngineSession] = []
+        start = time.perf_counter()
+        longest, pieces = 0.0, 0
+        while self._joining:
+            now = time.perf_counter()
+            if seconds is not None and pieces and now - start + longest > seconds:
+                break
+            pieces += 1
+            handle = self._joining[0]
+            try:
+                done = handle.session.prefill_step()
+                if done:
+                    self._joining.pop(0)
+                    self._join(handle)
+                    joined.append(handle)
+            except Exception as error:
+                self._failures[handle] = error
+                self._release(handle)
+            longest = max(longest, time.perf_counter() - now)
+        return joined
+
+    def _join(self, handle: EngineSession) -> None:
+        """Give a prefilled session a slot (the first free one, or a new row) and its caches."""
         slot = next((i for i, s in enumerate(self._slots) if s is None), len(self._slots))
-        handle = EngineSession(self, session, slot)
+        handle.slot = slot
         with torch.inference_mode():
             if slot == len(self._slots):
                 self._resize(slot + 1)
                 self._slots.append(None)
             self._adopt(handle)
         self._slots[slot] = handle
-        return handle
 
     def _adopt(self, handle: EngineSession) -> None:
         """Move a freshly prefilled session's caches into its slot's rows (and reset the rest)."""
@@ -337,6 +389,9 @@ class BatchEngine:
         handle.closed = True
         handle.session.closed = True
         handle._frames, handle._pending = [], np.zeros(0, dtype=np.float32)
+        if handle in self._joining:  # still prefilling: it holds no slot
+            self._joining.remove(handle)
+            return
         if self._slots[handle.slot] is handle:
             self._slots[handle.slot] = None
         while self._slots and self._slots[-1] is None:  # trailing free slots: shrink the batch

@@ -10,7 +10,7 @@ one host sync (plus one per stage when profiling).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -28,7 +28,7 @@ from .events import (
     VoiceChatResult,
 )
 from .layers import REDUCED
-from .nemotron_h import fused_input, language_heads
+from .nemotron_h import SSD_CHUNK, fused_input, language_heads
 from .rnnt import TranscriptText
 from .tools import ToolChannel, render_system_prompt
 
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 AudioInput = Union[np.ndarray, torch.Tensor, Sequence[float], Sequence[int]]
 
 __all__ = ["StreamingSession", "generate_offline"]
+
+PREFILL_CHUNK = SSD_CHUNK  # prompt positions per LLM call of the prefill: one piece of a deferred prefill
 
 
 def _synchronize(device: torch.device) -> None:
@@ -80,9 +82,17 @@ class _Timeline:
         return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
 
     def prefill(self, user: torch.Tensor) -> None:
-        """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD): one
-        LLM call over the prompt (its inputs do not depend on its outputs), then the TTS steps one by
-        one as the reference runs them (text PAD; position 0 runs no TTS)."""
+        """The whole prompt prefill at once (:meth:`prefill_pieces`, run to its end)."""
+        for _ in self.prefill_pieces(user):
+            pass
+
+    def prefill_pieces(self, user: torch.Tensor) -> Iterator[bool]:
+        """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD), one
+        piece of work per ``next``: the LLM over the prompt in calls of ``PREFILL_CHUNK`` positions (its
+        inputs do not depend on its outputs; the SSD scan runs those same chunks in one call, so the
+        split changes nothing), then the TTS steps one by one as the reference runs them (text PAD;
+        position 0 runs no TTS). Each ``next`` yields whether more pieces follow, so a caller (the
+        engine's deferred prefill) can spread a long prompt over many frames of other sessions."""
         n = user.shape[1]
         if not n:
             return
@@ -93,15 +103,20 @@ class _Timeline:
             # at a time, and a chunked scan would round differently, so step as it does.
             for t in range(n):
                 hidden = self.llm.forward_step(fused[:, t:t + 1], self.language_cache)
+                yield True
         elif self.language_cache is not None:
-            hidden = self.llm(fused, self.language_cache)
+            for start in range(0, n, PREFILL_CHUNK):
+                hidden = self.llm(fused[:, start:start + PREFILL_CHUNK], self.language_cache)
+                yield True
         else:
             self.history.append(fused)
             hidden = self.llm(torch.cat(self.history, dim=1))
+            yield True
         self.last_hidden = hidden[:, -1:]
         self.prev_text = self.prev_function = self.pad
-        for _ in range(n):
+        for t in range(n):
             self.speech(self.pad.view(1))
+            yield t + 1 < n
 
     def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
         """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""
@@ -140,7 +155,9 @@ class StreamingSession:
     (log-mel, Conformer, RNNT, LLM, TTS, codec), so several sessions can share one model.
     """
 
-    def __init__(self, model: VoiceChatModel, options: StreamingOptions) -> None:
+    def __init__(self, model: VoiceChatModel, options: StreamingOptions, *, prefill: bool = True) -> None:
+        """``prefill=False`` defers the system prompt's prefill: :meth:`prefill_step` runs it a piece at a
+        time (the engine spreads it over other sessions' frames); the first audio completes it."""
         self.model = model
         self.options = options
         cfg = self.config = model.config
@@ -182,12 +199,35 @@ class StreamingSession:
                 self.max_frames = min(self.max_frames, int(options.max_streaming_seconds / cfg.frame_duration))
             # Prefill: the prompt rides on the user channel with the output channels off (PAD),
             # advancing the LLM and TTS timeline; no codec, no events, frame_index stays 0.
+            self._prefill: Iterator[bool] | None = None
             if prompt:
-                self._timeline.prefill(self._timeline.embed(torch.tensor([prompt], device=model.device)))
+                self._prefill = self._timeline.prefill_pieces(
+                    self._timeline.embed(torch.tensor([prompt], device=model.device)))
+                if prefill:
+                    self._finish_prefill()
         skip = {cfg.pad_token_id, cfg.silence_token_id, cfg.bos_token_id, cfg.eos_token_id}
         self._text = TokenAccumulator(model.tokenizer, skip)
         self._function = TokenAccumulator(model.tokenizer, skip)
         self._transcript = TranscriptText(cfg.rnnt_vocabulary)
+
+    # ---- the deferred prompt prefill
+    @property
+    def prefilling(self) -> bool:
+        """Whether part of the system prompt's prefill is still to run (``prefill=False``)."""
+        return self._prefill is not None
+
+    def prefill_step(self) -> bool:
+        """Run one piece of the deferred prefill (one LLM call of up to 256 prompt positions, or one TTS
+        step); returns True once the prefill is complete."""
+        if self._prefill is not None:
+            with torch.inference_mode():
+                if not next(self._prefill, False):
+                    self._prefill = None
+        return self._prefill is None
+
+    def _finish_prefill(self) -> None:
+        while not self.prefill_step():
+            pass
 
     # ---- public state
     @property
@@ -229,6 +269,7 @@ class StreamingSession:
         if self.closed:
             raise RuntimeError("push_audio: the session is closed (flushed or cancelled); create a new one")
         chunk = as_mono_float32(samples, sample_rate, self.config.input_sample_rate)
+        self._finish_prefill()
         pending = np.concatenate([self._pending, chunk]) if self._pending.size else chunk
         n_frames = pending.shape[0] // self.frame_samples
         self._pending = pending[n_frames * self.frame_samples:].copy()
@@ -250,6 +291,7 @@ class StreamingSession:
         self._check_usable("flush")
         if self.closed:
             return []
+        self._finish_prefill()
         events: list[VoiceChatEvent] = []
         if self._pending.size and pad_partial and self.frame_index < self.max_frames:
             frame = np.zeros(self.frame_samples, dtype=np.float32)

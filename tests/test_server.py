@@ -285,8 +285,8 @@ class _HookedModel:
         engine = self._model.create_engine(max_sessions, profile)
         open_session = engine.open
 
-        def open(options):
-            handle = open_session(options)
+        def open(options, **kwargs):
+            handle = open_session(options, **kwargs)
             self.opened(handle)
             return handle
 
@@ -426,16 +426,21 @@ def test_command_line_server_and_client(tmp_path):
     assert "random weights" in err
 
 
-def test_non_loopback_host_warns(monkeypatch, capsys):
+def test_non_loopback_host_needs_an_api_key_or_insecure(monkeypatch, capsys):
     import nvchat_torch.server.__main__ as cli
 
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
-    assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu"]) == 0
-    assert calls and calls[0]["host"] == "0.0.0.0"
+    assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu"]) == 2 and not calls
     err = capsys.readouterr().err
-    assert "warning: binding 0.0.0.0" in err and "--api-key" in err
+    assert "error: --host 0.0.0.0" in err and "--api-key" in err and "--insecure" in err
+    assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu", "--insecure"]) == 0
+    assert calls and calls[0]["host"] == "0.0.0.0"
+    assert "warning: binding 0.0.0.0" in capsys.readouterr().err
+    assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu", "--api-key", "k"]) == 0
     assert cli.main(["--port", "9", "--device", "cpu", "--max-sessions", "0"]) == 2
+    assert cli.main(["--port", "9", "--device", "cpu", "--allow-origin", "not an origin"]) == 2
+    assert "--allow-origin" in capsys.readouterr().err
     assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and not cli.is_loopback("192.168.1.4")
 
 

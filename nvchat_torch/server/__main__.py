@@ -9,10 +9,12 @@ Open http://127.0.0.1:8000/ to talk to it, or point an OpenAI Realtime client at
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 
 from ..stream import DTYPES
+from .security import is_loopback, normalize_origin
+
+__all__ = ["main", "is_loopback"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,23 +31,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-sessions", type=int, default=4, help="concurrent conversations sharing the model")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/realtime")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also accept browser pages from ORIGIN (e.g. https://app.example.com; repeatable); by "
+                        "default only the server's own pages and clients that send no Origin are accepted")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key (anyone who can reach it can use the model)")
+    p.add_argument("--max-buffer-seconds", type=float, default=None,
+                   help="input audio a session may queue beyond what has run (default 30 s); more is refused")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_sessions < 1:
         print(f"error: --max-sessions must be at least 1, got {args.max_sessions}", file=sys.stderr)
+        return 2
+    if args.max_buffer_seconds is not None and not args.max_buffer_seconds > 0:
+        print(f"error: --max-buffer-seconds must be positive, got {args.max_buffer_seconds}", file=sys.stderr)
+        return 2
+    for origin in args.allow_origin:
+        try:
+            normalize_origin(origin)
+        except ValueError as e:
+            print(f"error: --allow-origin: {e}", file=sys.stderr)
+            return 2
+    if not is_loopback(args.host) and not args.api_key and not args.insecure:
+        print(f"error: --host {args.host} would let anyone who can reach this machine use the model (and the "
+              "microphone page): give --api-key KEY, or --insecure to serve it without one", file=sys.stderr)
         return 2
     try:
         import uvicorn
@@ -60,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not is_loopback(args.host):
         print(f"warning: binding {args.host} exposes the server beyond this machine"
-              + ("" if args.api_key else "; anyone who can reach it can use it (set --api-key)"), file=sys.stderr)
+              + ("" if args.api_key else "; anyone who can reach it can use it (--insecure)"), file=sys.stderr)
     try:
         model = _load(args)
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
@@ -68,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.model or "nvchat-tiny-random"
     print(f"model: {model.describe()}", file=sys.stderr)
-    app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key)
+    extra = {} if args.max_buffer_seconds is None else {"max_buffered_seconds": args.max_buffer_seconds}
+    app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key,
+                     allow_origins=args.allow_origin, **extra)
     print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
           f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, ws_max_size=WS_MAX_BYTES, log_level=args.log_level)

@@ -14,11 +14,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-import secrets
+import math
 import threading
+import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Iterable
 
 import numpy as np
 from fastapi import FastAPI, WebSocket
@@ -29,58 +30,48 @@ from ..audio_io import StreamResampler, pcm16_decode
 from ..events import StreamingOptions
 from .responses import ResponseEvents, _id
 from .scheduler import FrameScheduler, Output
+from .security import OriginPolicy, keys_equal
+from .session_config import ClientError, SessionConfig, ga_update, is_mlx_update, mlx_update
 
-__all__ = ["create_app", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES"]
+__all__ = ["create_app", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
+           "MAX_UNSENT_SECONDS"]
 
 log = logging.getLogger("nvchat_torch.server")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger client message is answered with `message_too_large`
 WS_MAX_BYTES = 64 * 1024 * 1024  # the transport's own limit, above ours so that oversize messages get an answer
-INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
-OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, or sent as it is
+MAX_BUFFERED_SECONDS = 30.0  # input audio received and not yet run, per session; more is refused
+MAX_UNSENT_SECONDS = 3.0  # a client whose oldest unsent event is older than this is not reading: closed
+CLOSE_TOO_SLOW = 1008  # policy violation: the client does not read what it asked for
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
-NVCHAT_KEYS = {"deterministic": bool, "seed": int, "max_streaming_seconds": (int, float, type(None)), "stats": bool}
 GA_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
              "response.cancel", "response.create", "conversation.item.create")
-
-
-class ClientError(Exception):
-    """A problem with what the client sent: answered with an ``error`` event, the connection stays."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
 
 
 def _tools_supported() -> bool:
     return any(f.name == "tools" for f in dataclasses.fields(StreamingOptions))
 
 
-@dataclasses.dataclass
-class SessionConfig:
-    instructions: str | None = None
-    input_rate: int = 24000
-    output_rate: int = 24000
-    deterministic: bool = False
-    seed: int = 0
-    max_streaming_seconds: float | None = None
-    stats: bool = False
-    tools: list = dataclasses.field(default_factory=list)
-    tool_choice: Any = "auto"
-
-
 class RealtimeServer:
     """What all connections share: the model, its scheduler, the session slots and the API key."""
 
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
+                 max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        for name, value in (("max_buffered_seconds", max_buffered_seconds), ("max_unsent_seconds", max_unsent_seconds)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         self.model = model
         self.model_name = model_name
         self.max_sessions = max_sessions
         self.api_key = api_key
         self.max_message_bytes = max_message_bytes
+        self.max_buffered_samples = round(max_buffered_seconds * model.config.input_sample_rate)
+        self.max_unsent_seconds = max_unsent_seconds
+        # Outputs (one per frame, mostly) a connection may hold unsent, whatever their age: memory stays bounded.
+        self.max_unsent_outputs = 4 * math.ceil(max_unsent_seconds / model.config.frame_duration) + 16
         self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock)
         self._lock = threading.Lock()
         self.active = 0
@@ -105,7 +96,7 @@ class RealtimeServer:
         for protocol in offered:
             if protocol.startswith("openai-insecure-api-key."):
                 given = protocol.split(".", 1)[1]
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key.encode())
+        return given is not None and keys_equal(given, self.api_key)
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "device": str(self.model.device),
@@ -114,11 +105,17 @@ class RealtimeServer:
 
 
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
-               max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None) -> FastAPI:
+               max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
+               allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
+               max_unsent_seconds: float = MAX_UNSENT_SECONDS) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
-    sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame)."""
+    sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
+    Browser pages of other origins than the server's own are refused unless in ``allow_origins``
+    (:mod:`~nvchat_torch.server.security`); a session buffers at most ``max_buffered_seconds`` of
+    input not yet run, and a client that leaves events unread for ``max_unsent_seconds`` is closed."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
-                            max_message_bytes=max_message_bytes, clock=clock)
+                            max_message_bytes=max_message_bytes, clock=clock,
+                            max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -126,6 +123,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
 
     app = FastAPI(title="nvchat_torch realtime server", lifespan=lifespan)
     app.state.realtime = server
+    app.add_middleware(OriginPolicy, allow_origins=list(allow_origins))
 
     @app.get("/health")
     async def health() -> dict:
@@ -177,7 +175,11 @@ class Connection(ResponseEvents):
         self.eos_id = cfg.eos_token_id
         self.default_instructions = cfg.default_system_prompt
         self.loop = asyncio.get_running_loop()
-        self.outputs: asyncio.Queue[Output] = asyncio.Queue()
+        # The worker's outputs not yet sent, with the time each arrived; bounded (see _enqueue).
+        self.outputs: deque[tuple[float, Output]] = deque()
+        self.output_ready = asyncio.Event()
+        self.too_slow = asyncio.Event()  # the client does not read its events: the connection is closed
+        self.sending_since: float | None = None  # arrival time of the output the pump is sending
         self.send_lock = asyncio.Lock()
         self.session_id = _id("sess")
         self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
@@ -205,22 +207,41 @@ class Connection(ResponseEvents):
 
     def _deliver(self, out: Output) -> None:  # on the worker thread
         try:
-            self.loop.call_soon_threadsafe(self.outputs.put_nowait, out)
+            self.loop.call_soon_threadsafe(self._enqueue, out)
         except RuntimeError:  # the loop is gone: the connection ended
             pass
 
+    def _enqueue(self, out: Output) -> None:
+        """Queue an output for the pump. A client that stops reading blocks the pump's sends (the
+        transport's buffer is full); once its oldest unsent output is ``max_unsent_seconds`` old, or
+        too many are queued, it is closed (``run``) and its queue dropped, so memory stays bounded."""
+        if self.too_slow.is_set():
+            return
+        now = time.monotonic()
+        self.outputs.append((now, out))
+        self.output_ready.set()
+        oldest = self.sending_since if self.sending_since is not None else self.outputs[0][0]
+        if now - oldest > self.server.max_unsent_seconds or len(self.outputs) > self.server.max_unsent_outputs:
+            self.outputs.clear()
+            self.too_slow.set()
+
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self._ga_session()})
-        reader = asyncio.create_task(self._read())
-        pump = asyncio.create_task(self._pump())
+        tasks = {asyncio.create_task(self._read()), asyncio.create_task(self._pump()),
+                 asyncio.create_task(self.too_slow.wait())}
         try:
-            await asyncio.wait({reader, pump}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (reader, pump):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(reader, pump, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             if self.handle is not None:  # a disconnect frees the session at once
                 self.scheduler.close(self.handle)
+        if self.too_slow.is_set():
+            reason = f"client too slow: events unread for over {self.server.max_unsent_seconds:g} s"
+            log.warning("session %s closed: %s", self.session_id, reason)
+            with contextlib.suppress(Exception):  # its buffer may be full: do not wait on it for long
+                await asyncio.wait_for(self.ws.close(code=CLOSE_TOO_SLOW, reason=reason), timeout=2.0)
 
     async def _read(self) -> None:
         limit = self.server.max_message_bytes
@@ -256,10 +277,8 @@ class Connection(ResponseEvents):
             session = event.get("session")
             if not isinstance(session, dict):
                 raise ClientError("invalid_value", "session.update needs a 'session' object", "session")
-            mlx_style = "type" not in session and any(k in session for k in ("system_prompt", "seed",
-                                                                              "max_streaming_seconds"))
             if self.dialect is None:
-                self.dialect = "mlx" if mlx_style else "ga"
+                self.dialect = "mlx" if is_mlx_update(session) else "ga"
             if self.dialect == "mlx":
                 await self._mlx_update(session)
             else:
@@ -302,83 +321,20 @@ class Connection(ResponseEvents):
                 "output_modalities": ["audio"],
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": cfg.input_rate},
                                     "turn_detection": None, "transcription": None},
-                          "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate}}},
+                          "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate},
+                                     "voice": self.server.model.config.speaker}},
                 "tools": cfg.tools, "tool_choice": cfg.tool_choice,
                 "nvchat": {"deterministic": cfg.deterministic, "seed": cfg.seed,
                            "max_streaming_seconds": cfg.max_streaming_seconds, "stats": cfg.stats,
                            "frame_samples": self.frame_samples, "max_message_bytes": self.server.max_message_bytes,
+                           "max_buffered_seconds": self.server.max_buffered_samples / self.model_rate,
+                           "max_unsent_seconds": self.server.max_unsent_seconds,
+                           # GA keys taken but not acted on (the model has one voice, no VAD, ...)
+                           "not_applied": sorted(cfg.accepted),
                            "started": self.handle is not None}}
 
-    @staticmethod
-    def _rate(fmt: Any, allowed: tuple[int, ...], param: str) -> int:
-        if not isinstance(fmt, dict) or fmt.get("type", "audio/pcm") != "audio/pcm":
-            raise ClientError("unsupported_audio_format", f"{param} must be {{'type': 'audio/pcm', 'rate': R}} with "
-                              f"R in {list(allowed)}, got {fmt!r}", param)
-        rate = fmt.get("rate", 24000)
-        if isinstance(rate, bool) or rate not in allowed:
-            raise ClientError("unsupported_audio_format", f"{param}.rate {rate!r} is not supported; use one of "
-                              f"{list(allowed)}", f"{param}.rate")
-        return int(rate)
-
     async def _ga_update(self, session: dict) -> None:
-        cfg = dataclasses.replace(self.config, tools=list(self.config.tools))
-        if session.get("type", "realtime") != "realtime":
-            raise ClientError("invalid_value", f"session.type must be 'realtime', got {session.get('type')!r}",
-                              "session.type")
-        if "instructions" in session:
-            if not isinstance(session["instructions"], (str, type(None))):
-                raise ClientError("invalid_value", "session.instructions must be a string", "session.instructions")
-            cfg.instructions = session["instructions"]
-        audio = session.get("audio") or {}
-        if not isinstance(audio, dict):
-            raise ClientError("invalid_value", "session.audio must be an object", "session.audio")
-        for side, allowed in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
-            part = audio.get(side) or {}
-            if not isinstance(part, dict):
-                raise ClientError("invalid_value", f"session.audio.{side} must be an object", f"session.audio.{side}")
-            if part.get("format") is not None:
-                rate = self._rate(part["format"], allowed, f"session.audio.{side}.format")
-                setattr(cfg, f"{side}_rate", rate)
-        modalities = session.get("output_modalities")
-        if modalities is not None and list(modalities) != ["audio"]:
-            raise ClientError("invalid_value", "output_modalities must be ['audio']: the model always speaks "
-                              "(its text comes as the audio transcript)", "session.output_modalities")
-        extension = session.get("nvchat")
-        if extension is not None:
-            if not isinstance(extension, dict):
-                raise ClientError("invalid_value", "session.nvchat must be an object", "session.nvchat")
-            for key, value in extension.items():
-                kinds = NVCHAT_KEYS.get(key)
-                if kinds is None:
-                    raise ClientError("invalid_value", f"unknown session.nvchat key {key!r}; known: "
-                                      f"{sorted(NVCHAT_KEYS)}", f"session.nvchat.{key}")
-                if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
-                    raise ClientError("invalid_value", f"session.nvchat.{key} has the wrong type: {value!r}",
-                                      f"session.nvchat.{key}")
-                if key == "max_streaming_seconds" and value is not None and not value > 0:
-                    raise ClientError("invalid_value", "session.nvchat.max_streaming_seconds must be positive",
-                                      "session.nvchat.max_streaming_seconds")
-                setattr(cfg, key, value)
-        if "tools" in session:
-            tools = session["tools"] or []
-            if not isinstance(tools, list):
-                raise ClientError("invalid_value", "session.tools must be a list", "session.tools")
-            if tools and not _tools_supported():
-                raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet",
-                                  "session.tools")
-            if tools:
-                from ..tools import validate_tools
-
-                try:
-                    validate_tools(tools)
-                except ValueError as e:
-                    raise ClientError("invalid_value", f"session.tools: {e}", "session.tools") from None
-            cfg.tools = tools
-        if "tool_choice" in session:
-            if session["tool_choice"] not in ("auto", None):
-                raise ClientError("invalid_value", "tool_choice must be 'auto': the model decides when to call",
-                                  "session.tool_choice")
-            cfg.tool_choice = "auto"
+        cfg = ga_update(self.config, session, tools_supported=_tools_supported())
         if self.handle is not None:
             fixed = ("instructions", "input_rate", "deterministic", "seed", "max_streaming_seconds", "tools")
             changed = [k for k in fixed if getattr(cfg, k) != getattr(self.config, k)]
@@ -393,30 +349,14 @@ class Connection(ResponseEvents):
     async def _mlx_update(self, session: dict) -> None:
         if self.handle is not None:
             raise ClientError("invalid_state", "the active session cannot be reconfigured")
-        prompt = session.get("system_prompt")
-        seed = session.get("seed", 0)
-        limit = session.get("max_streaming_seconds")
-        if not isinstance(prompt, (str, type(None))):
-            raise ClientError("invalid_value", "system_prompt must be a string", "session.system_prompt")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ClientError("invalid_value", f"seed must be an int, got {seed!r}", "session.seed")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-            raise ClientError("invalid_value", "max_streaming_seconds must be a positive number",
-                              "session.max_streaming_seconds")
-        self.config = dataclasses.replace(self.config, instructions=prompt, seed=seed, max_streaming_seconds=limit,
-                                          input_rate=self.model_rate, output_rate=self.output_model_rate)
+        self.config = mlx_update(self.config, session, input_rate=self.model_rate,
+                                 output_rate=self.output_model_rate)
         self._start(announce=True)
 
     def _start(self, announce: bool = False) -> None:
-        cfg = self.config
-        kwargs = {"tools": cfg.tools} if cfg.tools else {}
-        try:
-            options = StreamingOptions(system_prompt=cfg.instructions, seed=cfg.seed, deterministic=cfg.deterministic,
-                                       max_streaming_seconds=cfg.max_streaming_seconds, **kwargs)
-        except ValueError as e:
-            raise ClientError("invalid_value", f"cannot start the session: {e}", "session") from None
-        self.in_resampler = StreamResampler(cfg.input_rate, self.model_rate)
-        self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
+        options = self.config.options()
+        self.in_resampler = StreamResampler(self.config.input_rate, self.model_rate)
+        self.out_resampler = StreamResampler(self.output_model_rate, self.config.output_rate)
         self.announce_open = announce
         self.handle = self.scheduler.open(options, self._deliver)
 
@@ -442,7 +382,18 @@ class Connection(ResponseEvents):
                 raise ClientError("unsupported_audio_format", f"sample_rate {rate!r} does not match the session's "
                                   f"input rate {self.config.input_rate}", "sample_rate")
         self.dialect = self.dialect or "ga"
-        if self.handle is None:
+        if self.handle is not None:
+            # A client sending faster than real time queues audio; past the bound the append is refused
+            # (whole, so the stream stays as sent up to it) and the session goes on.
+            incoming = len(raw) // 2 * self.model_rate // self.config.input_rate
+            backlog = self.scheduler.backlog_samples(self.handle)
+            limit = self.server.max_buffered_samples
+            if backlog + incoming > limit:
+                raise ClientError("input_audio_buffer_full", f"this append would buffer "
+                                  f"{(backlog + incoming) / self.model_rate:.1f} s of audio not yet run, over the "
+                                  f"limit of {limit / self.model_rate:.1f} s; send audio at real-time pace (the "
+                                  "append was dropped)", "audio")
+        else:
             self._start()
         samples = self.in_resampler(pcm16_decode(raw))
         self.scheduler.push(self.handle, samples)
@@ -482,11 +433,15 @@ class Connection(ResponseEvents):
     # ---- model outputs
     async def _pump(self) -> None:
         while True:
-            out = await self.outputs.get()
+            while not self.outputs:
+                self.output_ready.clear()
+                await self.output_ready.wait()
+            self.sending_since, out = self.outputs.popleft()
             if self.dialect == "mlx":
                 done = await self._mlx_output(out)
             else:
                 done = await self._ga_output(out)
+            self.sending_since = None
             if done:
                 return
 

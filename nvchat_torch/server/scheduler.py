@@ -1,8 +1,11 @@
 """Where the server steps its sessions: one worker thread driving a :class:`~nvchat_torch.engine.BatchEngine`
 on a fixed 80 ms clock.
 
-Every model call (opening a session, which prefills its system prompt, and each batched step) runs on
-the worker thread, never on the event loop, so pings and the other connections' I/O stay live. Each
+Every model call (opening a session, its system prompt's prefill, and each batched step) runs on the
+worker thread, never on the event loop, so pings and the other connections' I/O stay live. A new
+session's prompt is prefilled in pieces (one LLM call over up to 256 positions, or one TTS step) in
+the time the worker would otherwise sleep until the next step, so a long prompt never stalls the
+sessions already streaming; the new session joins the batch once its prefill is complete. Each
 tick the worker hands every session its queued audio (buffering only) and runs its other jobs in
 order once the frames queued before them have run; then one engine step runs one frame for every
 session that has a complete frame, as one batch. A session whose client has not sent a full frame
@@ -156,9 +159,15 @@ class FrameScheduler:
             self._cond.notify()
 
     # ---- the worker thread
+    @staticmethod
+    def _ready(slot: _Slot) -> bool:
+        """The slot's session is in the batch and has a frame to run (or its end to report)."""
+        s = slot.session
+        return s is not None and not s.prefilling and bool(s.pending_frames or s.finishing)
+
     def _busy(self) -> bool:
-        return bool(self._closing) or any(s.jobs or (s.session is not None and (s.session.pending_frames or s.session.finishing))
-                                          for s in self._slots.values())
+        return bool(self._closing) or bool(self.engine.joining) or any(s.jobs or self._ready(s)
+                                                                       for s in self._slots.values())
 
     def _run(self) -> None:
         next_step = time.perf_counter()
@@ -176,16 +185,25 @@ class FrameScheduler:
                 slot.session = None
             for slot in slots:
                 self._feed(slot)
-            if any(s.session is not None and (s.session.pending_frames or s.session.finishing) for s in slots):
+            if any(self._ready(s) for s in slots):
                 # Steps start at least one clock apart: a late (or the first after idling) step starts
-                # now and the clock restarts from it; no burst of steps makes up for lost time.
+                # now and the clock restarts from it; no burst of steps makes up for lost time. The
+                # wait before a step goes to joining sessions' prefills (at least one piece per tick).
                 now = time.perf_counter()
                 if next_step > now:
-                    time.sleep(next_step - now)
+                    self._prefill(slots, next_step - now)
+                    now = time.perf_counter()
+                    if next_step > now:
+                        time.sleep(next_step - now)
+                elif self.engine.joining:
+                    self._prefill(slots, 0.0)
+                    next_step = time.perf_counter()
                 else:
                     next_step = now
                 next_step += self.clock
                 self._step(slots)
+            elif self.engine.joining:  # nobody to step: prefill for a clock, then look at the jobs again
+                self._prefill(slots, max(self.clock, 0.02))
 
     def _feed(self, slot: _Slot) -> None:
         """Run the slot's queued jobs in order: audio is only buffered; any other job waits until the
@@ -200,11 +218,24 @@ class FrameScheduler:
                 slot.jobs.popleft()
             self._execute(slot, job)
 
+    def _prefill(self, slots: list[_Slot], seconds: float) -> None:
+        """Pieces of the joining sessions' prompt prefills for about ``seconds``; "opened" to those done."""
+        joined = set(self.engine.prefill(seconds))
+        for slot in slots:
+            if slot.session is None or slot.closed:
+                continue
+            if slot.session in joined:
+                slot.deliver(Output("opened"))
+            elif slot.session.failure is not None:  # its prefill raised: it alone ends
+                self._fail(slot, slot.session.failure)
+
     def _execute(self, slot: _Slot, job: tuple) -> None:
         kind = job[0]
         try:
-            if kind == "open":
-                slot.session = self.engine.open(job[1])
+            if kind == "open":  # the prompt is prefilled in pieces between steps (_prefill): "opened" then
+                slot.session = self.engine.open(job[1], defer_prefill=True)
+                if slot.session.prefilling:
+                    return
                 out = Output("opened")
             elif kind == "mark":
                 out = Output("mark", tag=job[1])
@@ -261,7 +292,7 @@ class FrameScheduler:
             results = self.engine.step()
         except Exception as e:  # the batch failed: every session in it is over
             for slot in slots:
-                if slot.session is not None:
+                if slot.session is not None and not slot.session.prefilling:
                     self._fail(slot, e)
             return
         compute_s = time.perf_counter() - start

@@ -1,0 +1,189 @@
+"""What a client's ``session.update`` may set, in both dialects, checked key by key.
+
+Every key a ``session.update`` carries is either one the dialect's schema has (the OpenAI Realtime GA
+session, or mlx-vlm's), or an ``error`` naming it: nothing is dropped silently. GA keys the model
+cannot act on (a voice, noise reduction, tracing, ...) are accepted, and ``session.updated`` shows
+what is in effect. Both dialects take the ``nvchat`` extension object (:data:`NVCHAT_KEYS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..events import StreamingOptions
+
+__all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
+           "OUTPUT_RATES", "ga_update", "mlx_update", "is_mlx_update"]
+
+INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
+OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, or sent as it is
+
+# The nvchat extension: key -> accepted types.
+NVCHAT_KEYS: dict[str, tuple[type, ...]] = {"deterministic": (bool,), "seed": (int,),
+                                            "max_streaming_seconds": (int, float, type(None)), "stats": (bool,)}
+# The GA session object's keys (openai's RealtimeSessionCreateRequest), and ours.
+GA_SESSION_KEYS = frozenset({"type", "model", "instructions", "output_modalities", "audio", "tools", "tool_choice",
+                             "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning",
+                             "tracing", "truncation", "nvchat"})
+GA_AUDIO_KEYS = {"input": frozenset({"format", "noise_reduction", "transcription", "turn_detection"}),
+                 "output": frozenset({"format", "voice", "speed"})}
+GA_FORMAT_KEYS = frozenset({"type", "rate"})
+# mlx-vlm's session.update (mlx_vlm/server/realtime.py reads these), and ours.
+MLX_SESSION_KEYS = frozenset({"model", "system_prompt", "seed", "max_streaming_seconds", "nvchat"})
+_MLX_ONLY = ("system_prompt", "seed", "max_streaming_seconds")
+
+
+class ClientError(Exception):
+    """A problem with what the client sent: answered with an ``error`` event, the connection stays."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+@dataclasses.dataclass
+class SessionConfig:
+    instructions: str | None = None
+    input_rate: int = 24000
+    output_rate: int = 24000
+    deterministic: bool = False
+    seed: int = 0
+    max_streaming_seconds: float | None = None
+    stats: bool = False
+    tools: list = dataclasses.field(default_factory=list)
+    tool_choice: Any = "auto"
+    accepted: dict = dataclasses.field(default_factory=dict)  # GA keys taken as given (not acted on)
+
+    def options(self) -> StreamingOptions:
+        kwargs = {"tools": self.tools} if self.tools else {}
+        try:
+            return StreamingOptions(system_prompt=self.instructions, seed=self.seed, deterministic=self.deterministic,
+                                    max_streaming_seconds=self.max_streaming_seconds, **kwargs)
+        except ValueError as e:
+            raise ClientError("invalid_value", f"cannot start the session: {e}", "session") from None
+
+
+def is_mlx_update(session: dict) -> bool:
+    """mlx-vlm's form: no GA ``type``, and one of mlx-vlm's own keys."""
+    return "type" not in session and any(k in session for k in _MLX_ONLY)
+
+
+def _check_keys(obj: dict, allowed: frozenset, where: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{key}; {where} takes "
+                              f"{', '.join(sorted(allowed))}", f"{where}.{key}")
+
+
+def _object(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ClientError("invalid_value", f"{where} must be an object, got {type(value).__name__}", where)
+    return value
+
+
+def _rate(fmt: Any, allowed: tuple[int, ...], where: str) -> int:
+    fmt = _object(fmt, where)
+    _check_keys(fmt, GA_FORMAT_KEYS, where)
+    if fmt.get("type", "audio/pcm") != "audio/pcm":
+        raise ClientError("unsupported_audio_format", f"{where}.type must be 'audio/pcm' (pcm16), got "
+                          f"{fmt.get('type')!r}", f"{where}.type")
+    rate = fmt.get("rate", 24000)
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate not in allowed:
+        raise ClientError("unsupported_audio_format", f"{where}.rate {rate!r} is not supported; use one of "
+                          f"{list(allowed)}", f"{where}.rate")
+    return rate
+
+
+def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
+    for key, value in _object(extension, where).items():
+        kinds = NVCHAT_KEYS.get(key)
+        if kinds is None:
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{key}; {where} takes "
+                              f"{', '.join(sorted(NVCHAT_KEYS))}", f"{where}.{key}")
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            raise ClientError("invalid_value", f"{where}.{key} has the wrong type: {value!r}", f"{where}.{key}")
+        if key == "max_streaming_seconds" and value is not None and not value > 0:
+            raise ClientError("invalid_value", f"{where}.max_streaming_seconds must be positive", f"{where}.{key}")
+        setattr(cfg, key, value)
+
+
+def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> SessionConfig:
+    """``config`` with a GA ``session.update``'s ``session`` applied (a new object; ``config`` is kept)."""
+    session = _object(session, "session")
+    _check_keys(session, GA_SESSION_KEYS, "session")
+    cfg = dataclasses.replace(config, tools=list(config.tools), accepted=dict(config.accepted))
+    if session.get("type", "realtime") != "realtime":
+        raise ClientError("invalid_value", f"session.type must be 'realtime', got {session.get('type')!r}",
+                          "session.type")
+    if "instructions" in session:
+        if not isinstance(session["instructions"], (str, type(None))):
+            raise ClientError("invalid_value", "session.instructions must be a string", "session.instructions")
+        cfg.instructions = session["instructions"]
+    audio = _object(session.get("audio"), "session.audio")
+    _check_keys(audio, frozenset(GA_AUDIO_KEYS), "session.audio")
+    for side, allowed in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
+        where = f"session.audio.{side}"
+        part = _object(audio.get(side), where)
+        _check_keys(part, GA_AUDIO_KEYS[side], where)
+        if part.get("format") is not None:
+            setattr(cfg, f"{side}_rate", _rate(part["format"], allowed, f"{where}.format"))
+        for key in GA_AUDIO_KEYS[side] - {"format"}:
+            if key in part:
+                cfg.accepted[f"audio.{side}.{key}"] = part[key]
+    if "output_modalities" in session:
+        modalities = session["output_modalities"]
+        if modalities is not None and modalities != ["audio"]:
+            raise ClientError("invalid_value", "session.output_modalities must be ['audio']: the model always "
+                              "speaks (its text comes as the audio transcript)", "session.output_modalities")
+    if "nvchat" in session:
+        _nvchat(cfg, session["nvchat"], "session.nvchat")
+    if "tools" in session:
+        tools = session["tools"] or []
+        if not isinstance(tools, list):
+            raise ClientError("invalid_value", "session.tools must be a list", "session.tools")
+        if tools and not tools_supported:
+            raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet", "session.tools")
+        if tools:
+            from ..tools import validate_tools
+
+            try:
+                validate_tools(tools)
+            except (ValueError, TypeError) as e:
+                raise ClientError("invalid_value", f"session.tools: {e}", "session.tools") from None
+        cfg.tools = tools
+    if "tool_choice" in session:
+        if session["tool_choice"] not in ("auto", None):
+            raise ClientError("invalid_value", "session.tool_choice must be 'auto': the model decides when to call",
+                              "session.tool_choice")
+        cfg.tool_choice = "auto"
+    for key in ("model", "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning", "tracing",
+                "truncation"):
+        if key in session:
+            cfg.accepted[key] = session[key]
+    return cfg
+
+
+def mlx_update(config: SessionConfig, session: Any, *, input_rate: int, output_rate: int) -> SessionConfig:
+    """``config`` with mlx-vlm's ``session.update`` applied: the model's own rates, and ``nvchat`` as in GA."""
+    session = _object(session, "session")
+    _check_keys(session, MLX_SESSION_KEYS, "session")
+    prompt = session.get("system_prompt")
+    seed = session.get("seed", 0)
+    limit = session.get("max_streaming_seconds")
+    if not isinstance(prompt, (str, type(None))):
+        raise ClientError("invalid_value", "session.system_prompt must be a string", "session.system_prompt")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ClientError("invalid_value", f"session.seed must be an int, got {seed!r}", "session.seed")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise ClientError("invalid_value", "session.max_streaming_seconds must be a positive number",
+                          "session.max_streaming_seconds")
+    if not isinstance(session.get("model", ""), (str, type(None))):
+        raise ClientError("invalid_value", "session.model must be a string", "session.model")
+    cfg = dataclasses.replace(config, instructions=prompt, seed=seed, max_streaming_seconds=limit,
+                              input_rate=input_rate, output_rate=output_rate)
+    if "nvchat" in session:  # after mlx-vlm's own keys: nvchat.seed wins over seed
+        _nvchat(cfg, session["nvchat"], "session.nvchat")
+    return cfg
