@@ -148,7 +148,7 @@ class EngineSession:
         if self.closed:
             return []
         self.engine._release(self)
-        return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
+        return self.session.final_events(tools=False) + [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
 
     def drop_audio(self) -> int:
         """Drop the audio not run yet (buffered frames and the partial one); returns how many samples.
@@ -435,7 +435,7 @@ class BatchEngine:
                 out[s] = events
         for s in self.sessions:
             if s.finishing and not s._frames:
-                ending = s.session._tools.finish(s.frame_index)
+                ending = s.session.final_events()
                 out.setdefault(s, []).extend(ending + [VoiceChatEvent(kind="done", frame_index=s.frame_index)])
                 self._release(s)
         return out

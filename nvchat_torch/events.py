@@ -5,10 +5,15 @@ Names follow mlx-vlm's streaming session so clients port unchanged.
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+_log = logging.getLogger("nvchat_torch")
 
 __all__ = [
     "EventKind",
@@ -18,6 +23,7 @@ __all__ = [
     "FrameTiming",
     "VoiceChatProfile",
     "TokenAccumulator",
+    "DetokenizerError",
     "VoiceChatResult",
 ]
 
@@ -44,6 +50,9 @@ class VoiceChatEvent:
     reason: str | None = None  # tool_call_error: why the span was not a call to an offered tool
 
 
+MAX_STREAMING_SECONDS = 1e9  # a bound for max_streaming_seconds (any model's context is far shorter)
+
+
 @dataclass
 class StreamingOptions:
     """How a streaming session runs. ``deterministic`` picks the most likely MoG component with no noise."""
@@ -62,10 +71,25 @@ class StreamingOptions:
             from .tools import validate_tools
 
             validate_tools(self.tools)
-        if self.max_streaming_seconds is not None and not self.max_streaming_seconds > 0:
-            raise ValueError(f"max_streaming_seconds must be positive, got {self.max_streaming_seconds}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self.check("max_streaming_seconds", self.max_streaming_seconds)
+        self.check("seed", self.seed)
+
+    @staticmethod
+    def check(name: str, value: Any) -> None:
+        """Raise ``ValueError`` if ``value`` cannot be option ``name`` (the checks that need no model)."""
+        if name == "seed":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"seed must be an int, got {value!r}")
+            if not -2 ** 63 <= value < 2 ** 64:  # torch.Generator.manual_seed's range
+                raise ValueError(f"seed must fit in 64 bits, got {value}")
+        elif name == "max_streaming_seconds" and value is not None:
+            try:
+                finite = math.isfinite(float(value))
+            except (TypeError, ValueError, OverflowError):
+                finite = False
+            if not finite or not 0 < value <= MAX_STREAMING_SECONDS:
+                raise ValueError(f"max_streaming_seconds must be a number of seconds in (0, {MAX_STREAMING_SECONDS:g}], "
+                                 f"got {value!r}")
 
 
 class ContextLimit(RuntimeError):
@@ -139,60 +163,223 @@ class VoiceChatProfile:
         return "\n".join(lines)
 
 
-class TokenAccumulator:
-    """Cumulative text of one output channel: ids in ``skip`` are dropped; ``delta`` is the new suffix
-    of the cumulative decode when it extends the old one, else the single-token decode.
+class DetokenizerError(AssertionError):
+    """A :class:`TokenAccumulator` in ``strict`` mode found a new token changing the decode of the text
+    before it (its emitted text might then not be a prefix of the decode): a tokenizer behaviour its
+    stability rules do not cover, a bug to fix there."""
 
-    The cumulative decode is kept incrementally, as LLM servers' streaming detokenizers do: only a
-    small tail window of tokens is decoded per token (the ones since the last stable point, plus
-    the window before them for context), so a token's decoding costs the same however long the
-    session (what grows is only the copy of the cumulative text each event carries). ``text``
-    equals ``tokenizer.decode(tokens)`` at every step: a window that does not extend its prefix's
-    decode (a tokenizer cleaning up across the boundary) falls back to one full decode.
+
+def _byte_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the byte-fallback tokens ``<0x00>`` .. ``<0xFF>`` (SentencePiece / Llama style), found by
+    name and checked back with ``convert_ids_to_tokens``; empty for a tokenizer without them (ByteLevel)."""
+    names = [f"<0x{b:02X}>" for b in range(256)]
+    names += [n.lower() for n in names if n.lower() != n]  # the decoder reads either case
+    try:
+        ids = [i for i in tokenizer.convert_tokens_to_ids(names) if isinstance(i, int) and i >= 0]
+        back = tokenizer.convert_ids_to_tokens(ids)  # unknown names come back as the unk token
+    except Exception:  # not a transformers tokenizer: no byte tokens known
+        return frozenset()
+    return frozenset(i for i, t in zip(ids, back) if isinstance(t, str) and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+
+
+def _cleans_up(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` applies ``clean_up_tokenization`` (" ." -> "." ...). transformers 5
+    ignores the flag for BPE models, so when the flag is on, a probe ("a .") decides where it can."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        ids = tokenizer.encode("a . b", add_special_tokens=False)
+        raw = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        cleaned = tokenizer.clean_up_tokenization(raw)
+        if cleaned != raw:
+            return tokenizer.decode(ids, skip_special_tokens=False) == cleaned
+    except Exception:
+        pass
+    return True  # the probe could not tell: the flag says it applies
+
+
+class TokenAccumulator:
+    """Streamed text of one output channel (text or function), token by token, as LLM servers'
+    incremental detokenizers do (vLLM's prefix/read offsets, HF ``TextStreamer``'s hold-back).
+
+    ``append(token_id)`` returns None for ids in ``skip`` (dropped, as if never sent); otherwise
+    ``(delta, text)``: ``delta`` the newly *emitted* text (``""`` while everything new is held back)
+    and ``text`` the cumulative emitted text, the concatenation of every delta so far. ``finish()``
+    ends the stream: it releases what is held back, as ``(delta, text)``, or None when nothing is.
+    Emitted text is never revised: at every step ``text`` is a prefix of ``full_text``, the decode of
+    all tokens (``tokenizer.decode(tokens, skip_special_tokens=False)``), and after ``finish()`` the two
+    are equal. So a client that joins the deltas gets exactly the decode, with no U+FFFD from a
+    character split over frames. A session shows ``text`` (what it has streamed) and, when its stream
+    ends, calls ``finish()`` and sends the returned delta as the channel's last delta.
+
+    What is held back is text the next tokens could still change:
+
+    - a tail ending in U+FFFD: a multi-byte UTF-8 character whose bytes are split over tokens
+      (ByteLevel BPE, GPT-2 style: lossy UTF-8 over the joined bytes) shows as U+FFFD until it
+      completes; a real invalid byte is released once a later token shows it cannot complete;
+    - a run of byte-fallback tokens ``<0xHH>`` (SentencePiece / Llama): the decoder turns the whole
+      run into its string if it is valid UTF-8, else every byte into U+FFFD, so appending a byte can
+      change earlier characters of the run; nothing in a run is settled until a non-byte token ends it;
+    - with ``clean_up_tokenization_spaces`` in effect, text from a space among the last three
+      characters (" n't", " 's", " ' " ... could still match): the emitted text is the cleaned-up
+      settled text up to a point no clean-up pattern can straddle.
+
+    Cost: each token decodes a small window, the tokens since the last settled point plus the
+    context before them (at least one token, so decoders that strip a leading space at the start of
+    a decode, Metaspace or ``Strip``, see the same text), i.e. two decodes of 1-5 tokens in the
+    usual case, whatever the session's length. The held tail grows only while it is undecided:
+    inside a run of byte-fallback tokens (every token then decodes the run, O(run length)), or over
+    tokens that decode to nothing; a ByteLevel tail that keeps ending in U+FFFD (invalid bytes) is
+    settled inside once it is ``INNER_CHECK`` tokens long (a few more decodes on those tokens), so
+    it stays a few tokens long. The emitted ``text`` itself is a new string per event (each event
+    carries the cumulative text).
+
+    ``strict`` (tests): raise :class:`DetokenizerError` when the window's decode does not extend its
+    context's decode (a tokenizer behaviour these rules do not cover); otherwise that logs a warning
+    and resynchronises with one full decode.
     """
 
-    MAX_TAIL = 16  # tokens kept undecided while the tail ends in an incomplete character
+    INNER_CHECK = 4  # tokens held before looking for a settled point inside the tail
+    INNER_SPAN = 3  # how far back from the end that search goes (a UTF-8 character spans <= 3 more bytes)
+    strict = False
 
     def __init__(self, tokenizer: Any, skip: set[int]) -> None:
         self.tokenizer = tokenizer
         self.skip = skip
         self.tokens: list[int] = []
-        self.text = ""
-        self._prefix = 0  # tokens[prefix:read] is the context window before the undecided tail
-        self._read = 0  # tokens[:read] decode to self._stable
-        self._stable = ""
-        self._piece = ""  # text = stable + piece
-        self._prefix_text = ""  # decode(tokens[prefix:read])
+        self.text = ""  # emitted text: the concatenation of every delta
+        self.finished = False
+        self._bytes = _byte_token_ids(tokenizer)
+        self._cleanup = _cleans_up(tokenizer)
+        self._prefix = 0  # tokens[prefix:read] is the context before the undecided tail
+        self._read = 0  # tokens[:read] are settled
+        self._prefix_text = ""  # decode(tokens[prefix:read]), raw (no clean-up)
+        self._pending = ""  # settled raw text not yet emitted (clean-up hold-back; else emptied each step)
+        self._tail = ""  # raw text of tokens[read:] in context, undecided
+        self._warned = False
+
+    # ---- what is decoded
+    @property
+    def full_text(self) -> str:
+        """``tokenizer.decode(tokens, skip_special_tokens=False)``, kept incrementally: the emitted
+        ``text`` plus what is held back (equal to ``text`` after ``finish()``)."""
+        return self.text + self._held()
+
+    @property
+    def held(self) -> str:
+        """The text ``finish()`` would release now (``full_text`` minus ``text``)."""
+        return self._held()
+
+    def _held(self) -> str:
+        rest = self._pending + self._tail
+        return self.tokenizer.clean_up_tokenization(rest) if self._cleanup and rest else rest
 
     def _decode(self, ids: list[int]) -> str:
+        if self._cleanup:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    # ---- the stream
     def append(self, token_id: int) -> tuple[str, str] | None:
         if token_id in self.skip:
             return None
-        self.tokens.append(token_id)
-        window = self._decode(self.tokens[self._prefix:])
-        if window.startswith(self._prefix_text):
-            piece = window[len(self._prefix_text):]
-            updated = self._stable + piece
-            extends = piece.startswith(self._piece)  # text is stable + piece: compare the tails only
-            settle = not updated.endswith("\ufffd") or len(self.tokens) - self._read >= self.MAX_TAIL
-        else:  # the new token changed text before the window: decode everything once
-            updated = self._decode(self.tokens)
-            extends = updated.startswith(self.text)
-            settle = True
-        if extends:
-            delta = updated[len(self.text):]
-        else:  # a tokenizer may revise a partial multi-byte sequence; the cumulative text stays authoritative
-            delta = self._decode([token_id])
-        if settle:
-            self._stable, self._piece = updated, ""
-            self._prefix, self._read = self._read, len(self.tokens)
-            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        else:
-            self._piece = piece
-        self.text = updated
-        return delta, updated
+        if self.finished:
+            raise RuntimeError("TokenAccumulator.append after finish(): the stream has ended")
+        tokens = self.tokens
+        tokens.append(token_id)
+        n = len(tokens)
+        window = self._decode(tokens[self._prefix:])
+        if not window.startswith(self._prefix_text):
+            return self._resync("the new token changed the decode of the context before it")
+        tail = window[len(self._prefix_text):]
+        self._tail = tail
+        if token_id not in self._bytes and not tail.endswith("\ufffd"):
+            self._settle(n, tail, window)
+        elif n - self._read >= self.INNER_CHECK:
+            self._settle_inside(window)
+        return self._emit()
+
+    def finish(self) -> tuple[str, str] | None:
+        """End the stream: emit what is held back, so ``text == full_text``; None when nothing is.
+        Later calls return None; ``append`` after it raises."""
+        if self.finished:
+            return None
+        rest = self._held()
+        self.finished = True
+        self._pending = self._tail = ""
+        self._prefix = self._read = len(self.tokens)
+        if not rest:
+            return None
+        self.text += rest
+        return rest, self.text
+
+    # ---- settling
+    def _settle(self, k: int, piece: str, decoded: str) -> None:
+        """tokens[:k] are settled: ``piece`` is the raw text of tokens[read:k], ``decoded`` that of
+        tokens[prefix:k]. The new context is tokens[read:k] (kept wider while it decodes to nothing)."""
+        self._pending += piece
+        if self._read > self._prefix:
+            context = self._decode(self.tokens[self._read:k])
+            if context:
+                self._prefix, decoded = self._read, context
+        self._read, self._prefix_text = k, decoded
+        self._tail = self._tail[len(piece):] if k < len(self.tokens) else ""
+
+    def _settle_inside(self, window: str) -> None:
+        """The tail still ends undecided: settle at the latest boundary k of its last tokens whose two
+        sides decode apart exactly as together (so later bytes cannot join across it) and that does
+        not split a run of byte tokens."""
+        tokens, n = self.tokens, len(self.tokens)
+        for k in range(n - 1, max(self._read, n - 1 - self.INNER_SPAN), -1):
+            if tokens[k - 1] in self._bytes and tokens[k] in self._bytes:
+                continue
+            left = self._decode(tokens[self._prefix:k])
+            if not left.startswith(self._prefix_text) or not window.startswith(left):
+                continue
+            right = self._decode(tokens[k:])
+            if right and left + right == window:
+                self._settle(k, left[len(self._prefix_text):], left)
+                return
+
+    def _emit(self) -> tuple[str, str]:
+        pending = self._pending
+        if not self._cleanup:
+            self._pending = ""
+            if pending:
+                self.text += pending
+            return pending, self.text
+        # clean-up patterns are a space and at most 3 characters: emit up to a point with no space in
+        # the 3 raw characters before it (the raw text before ``pending`` ends so already)
+        m = len(pending)
+        while m > 0 and " " in pending[max(0, m - 3):m]:
+            m = pending.rfind(" ", 0, m)
+        if m <= 0:
+            return "", self.text
+        delta = self.tokenizer.clean_up_tokenization(pending[:m])
+        self._pending = pending[m:]
+        self.text += delta
+        return delta, self.text
+
+    def _resync(self, why: str) -> tuple[str, str]:
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=False)
+        message = (f"TokenAccumulator: {why} (tokens {self.tokens[self._prefix:]}, context "
+                   f"{self._prefix_text!r}); resynchronised with a full decode")
+        if self.strict:
+            raise DetokenizerError(message)
+        if not self._warned:
+            self._warned = True
+            _log.warning(message)
+        common = 0
+        for a, b in zip(self.text, full):
+            if a != b:
+                break
+            common += 1
+        delta = full[common:]
+        n = len(self.tokens)
+        self.text, self._pending, self._tail = full, "", ""
+        self._prefix, self._read = max(0, n - 1), n
+        self._prefix_text = self._decode(self.tokens[self._prefix:])
+        return delta, self.text
 
 
 @dataclass

@@ -299,9 +299,21 @@ class StreamingSession:
             self._pending = np.zeros(0, dtype=np.float32)
             events += self._step(torch.from_numpy(frame).to(self.model.device))
         self._close()
-        events += self._tools.finish(self.frame_index)
+        events += self.final_events()
         events.append(VoiceChatEvent(kind="done", frame_index=self.frame_index))
         return events
+
+    def final_events(self, tools: bool = True) -> list[VoiceChatEvent]:
+        """What the end of the stream releases (flush, cancel, or the engine's last step): the text held
+        back on each channel (an incomplete character, as the full decode shows it), so the deltas add
+        up to ``tokenizer.decode`` of the channel, then (``tools``) an unfinished tool call's
+        ``tool_call_error``."""
+        events = []
+        for kind, acc in (("assistant_text_delta", self._text), ("function_delta", self._function)):
+            update = acc.finish()
+            if update is not None:
+                events.append(VoiceChatEvent(kind, self.frame_index, delta=update[0], text=update[1]))
+        return events + (self._tools.finish(self.frame_index) if tools else [])
 
     def cancel(self) -> list[VoiceChatEvent]:
         """Drop pending audio, close, emit ``cancelled``."""
@@ -309,7 +321,7 @@ class StreamingSession:
         if self.closed:
             return []
         self._close()
-        return [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
+        return self.final_events(tools=False) + [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
 
     # ---- tool calls and forced tokens
     def send_tool_result(self, call_id: str, output: Any) -> None:

@@ -11,6 +11,7 @@ import torch
 
 import nvchat_torch as nv
 from mlx_oracle import synth_audio
+from test_session import as_reference_shows
 from nvchat_torch.config import VoiceChatConfig
 from nvchat_torch.diagnostics import OpCounter
 from nvchat_torch.events import TokenAccumulator
@@ -59,7 +60,7 @@ def test_text_accumulator_equals_the_full_decode_at_every_token():
     vocab = len(tokenizer.get_vocab())
     for seed in range(6):
         rng = random.Random(seed)
-        acc, tokens, text = TokenAccumulator(tokenizer, SKIP), [], ""
+        acc, tokens, joined = TokenAccumulator(tokenizer, SKIP), [], ""
         for _ in range(300):
             # random byte tokens make partial and invalid UTF-8; specials and word merges mix in
             token = rng.randrange(vocab) if rng.random() < 0.7 else rng.choice([12, 40, 200, vocab - 1])
@@ -69,10 +70,11 @@ def test_text_accumulator_equals_the_full_decode_at_every_token():
                 continue
             tokens.append(token)
             full = tokenizer.decode(tokens, skip_special_tokens=False)
-            delta = full[len(text):] if full.startswith(text) else tokenizer.decode([token], skip_special_tokens=False)
-            assert update == (delta, full)
-            text = full
-        assert "\ufffd" in text  # the partial-character path ran
+            joined += update[0]
+            assert update[1] == joined and full.startswith(joined) and acc.full_text == full
+        end = acc.finish()
+        assert joined + (end[0] if end else "") == full == acc.text
+        assert "\ufffd" in full  # the partial-character path ran
 
 
 def test_transcript_equals_the_full_decode_at_every_frame():
@@ -209,8 +211,7 @@ def test_long_prompt_session_matches_the_reference(ckpt_f32, reference):
     assert session.timeline_index - session.frame_index == len(ref._text_tokens) - ref.frame_index > 256
     np.testing.assert_array_equal(np.stack([e.audio_codes for e in events if e.kind == "audio"]),
                                   np.stack([np.array(e.audio_codes) for e in ref_events if e.kind == "audio"]))
-    assert [(e.kind, e.frame_index, e.delta, e.text) for e in events if e.kind not in ("audio", "done")] == \
-        [(e.kind, e.frame_index, e.delta, e.text) for e in ref_events if e.kind not in ("audio", "done")]
+    assert as_reference_shows(events) == as_reference_shows(ref_events)
 
 
 # ---- failures

@@ -27,7 +27,7 @@ from openai import AsyncOpenAI
 
 import nvchat_torch as nv
 from nvchat_torch.audio_io import StreamResampler, pcm16_decode, pcm16_encode, resample
-from nvchat_torch.server.app import MAX_MESSAGE_BYTES, WS_MAX_BYTES, create_app
+from nvchat_torch.server.app import MAX_MESSAGE_BYTES, WS_MAX_BYTES, create_app, listen_socket
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "question.wav"
@@ -56,10 +56,11 @@ def free_port() -> int:
 def serve(model, **kwargs):
     """The app on uvicorn in a thread, on a free loopback port; yields ``(address, app)``."""
     app = create_app(model, **kwargs)
-    port = free_port()
+    sock = listen_socket("127.0.0.1", 0)  # as python -m nvchat_torch.server listens
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws_max_size=WS_MAX_BYTES,
                                            log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -84,9 +85,12 @@ def reference(model, pcm: np.ndarray, **options):
     return session, events, audio
 
 
-def deltas(events, kind: str = "assistant_text_delta") -> str:
-    """The deltas joined (the cumulative text can differ where a token completes a multi-byte character)."""
-    return "".join(e.delta for e in events if e.kind == kind)
+def deltas(events, kind: str = "assistant_text_delta", released: bool = True) -> str:
+    """The deltas joined: the channel's decode. ``released=False`` leaves out what the session's end
+    released (text held back at the last frame: a character still incomplete), which a GA session,
+    going on after its commit, has not sent."""
+    return "".join(e.delta for e in events if e.kind == kind and (released or e.token_id is not None
+                                                                  or kind == "user_transcript_delta"))
 
 
 GA_16K_22K = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
@@ -142,7 +146,7 @@ def test_openai_sdk_gets_what_the_session_emits(model, question):
         got = asyncio.run(sdk_conversation(address, question, session))
     ref, events, audio = reference(model, question, system_prompt=prompt, deterministic=True, seed=0)
     assert got["session"].audio.input.format.rate == 16000 and got["session"].audio.output.format.rate == 22050
-    assert got["text"] == deltas(events) and ref.text
+    assert got["text"] == deltas(events, released=False) and ref.text
     assert got["transcript"] == deltas(events, "user_transcript_delta") and ref.user_transcript
     assert "".join(got["completed"]) == got["transcript"]
     assert len(got["audio"]) == 2 * len(audio) == 2 * ref.frame_index * 1764
@@ -345,7 +349,7 @@ def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, questio
     assert code == 1011
     for got, pcm in ((a, question), (b, other), (c, question)):
         _, events, audio = reference(model, pcm, deterministic=True, seed=0 if got is not b else 1)
-        assert got["text"] == deltas(events)
+        assert got["text"] == deltas(events, released=False)
         assert_same_pcm(got["audio"], audio)
 
 
@@ -429,8 +433,11 @@ def test_command_line_server_and_client(tmp_path):
 def test_non_loopback_host_needs_an_api_key_or_insecure(monkeypatch, capsys):
     import nvchat_torch.server.__main__ as cli
 
+    import nvchat_torch.server.app as app_module
+
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.setattr(app_module, "listen_socket", lambda host, port: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: calls.append({"host": self.config.host}))
     assert cli.main(["--host", "0.0.0.0", "--port", "9", "--device", "cpu"]) == 2 and not calls
     err = capsys.readouterr().err
     assert "error: --host 0.0.0.0" in err and "--api-key" in err and "--insecure" in err

@@ -27,6 +27,29 @@ def chunks(wave: np.ndarray, sizes) -> list[np.ndarray]:
     return out
 
 
+def channel(events, kind: str) -> tuple[list, str]:
+    """A text channel as ``(frame, token_id)`` per token and its final text. The reference's deltas do
+    not add up where a character is split over tokens (U+FFFD); ours hold it back, so only the ids and
+    the final text are compared with it (the final text being the reference's decode of them all)."""
+    evs = [e for e in events if e.kind == kind]
+    return [(e.frame_index, e.token_id) for e in evs if e.token_id is not None], (evs[-1].text if evs else "")
+
+
+TEXT_CHANNELS = ("assistant_text_delta", "function_delta")
+
+
+def as_reference_shows(events) -> list[tuple]:
+    """The events (audio and done aside) as comparable with the MLX reference's: a text channel's
+    event by its frame and token id (the reference streams U+FFFD where we hold a split character
+    back, and we release the held text at the end in an event of no token), the rest whole; then
+    each text channel's final text, which is the same (the decode of all its ids)."""
+    shown = [(e.kind, e.frame_index, e.token_id) if e.kind in TEXT_CHANNELS else
+             (e.kind, e.frame_index, e.token_id, e.delta, e.text) for e in events
+             if e.kind not in ("audio", "done") and not (e.kind in TEXT_CHANNELS and e.token_id is None)]
+    finals = [([e.text for e in events if e.kind == kind] or [""])[-1] for kind in TEXT_CHANNELS]
+    return shown + [("final", kind, text) for kind, text in zip(TEXT_CHANNELS, finals)]
+
+
 def run_reference_stream(ref, wave, prompt, sizes=RAGGED, **kwargs) -> dict:
     sess = ref.session.create_streaming_session(system_prompt=prompt, seed=0, **kwargs)
     events = []
@@ -41,8 +64,8 @@ def run_reference_stream(ref, wave, prompt, sizes=RAGGED, **kwargs) -> dict:
         "codes": np.stack([np.array(e.audio_codes) for e in audio]),
         "audio": np.concatenate([np.array(e.samples) for e in audio]),
         "transcript": [(e.frame_index, e.delta, e.text) for e in events if e.kind == "user_transcript_delta"],
-        "text": [(e.frame_index, e.token_id, e.delta, e.text) for e in events if e.kind == "assistant_text_delta"],
-        "function": [(e.frame_index, e.token_id, e.delta, e.text) for e in events if e.kind == "function_delta"],
+        "text": channel(events, "assistant_text_delta"),
+        "function": channel(events, "function_delta"),
         "prompt_steps": prompt_steps,
     }
 
@@ -58,14 +81,19 @@ def run_stream(model, wave, prompt, sizes=RAGGED, **options) -> dict:
     per_frame = {e.frame_index: e for e in events if e.kind == "assistant_text_delta"}
     assert [e.frame_index for e in audio] == list(range(len(audio)))
     assert events[-1].kind == "done" and events[-1].frame_index == len(audio)
+    for kind, acc in (("assistant_text_delta", session._text), ("function_delta", session._function)):
+        deltas = [e for e in events if e.kind == kind]
+        joined = "".join(e.delta for e in deltas)  # what a client shows: the decode, exactly
+        assert joined == model.tokenizer.decode(acc.tokens, skip_special_tokens=False)
+        assert all(joined.startswith(e.text) and e.text.endswith(e.delta) for e in deltas)
     return {
         "events": events,
         "session": session,
         "codes": np.stack([e.audio_codes for e in audio]),
         "audio": np.concatenate([e.samples for e in audio]),
         "transcript": [(e.frame_index, e.delta, e.text) for e in events if e.kind == "user_transcript_delta"],
-        "text": [(e.frame_index, e.token_id, e.delta, e.text) for e in events if e.kind == "assistant_text_delta"],
-        "function": [(e.frame_index, e.token_id, e.delta, e.text) for e in events if e.kind == "function_delta"],
+        "text": channel(events, "assistant_text_delta"),
+        "function": channel(events, "function_delta"),
         "text_frames": per_frame,
     }
 
@@ -165,8 +193,15 @@ def test_chunk_boundaries_and_event_types(tiny_model, wave):
 def test_lifecycle(tiny_model, wave):
     session = tiny_model.create_streaming_session(nv.StreamingOptions())
     session.push_audio(wave[:2000], 16000)
+    text = session.text
     events = session.flush(pad_partial=False)  # the 720-sample partial frame is dropped
-    assert [e.kind for e in events] == ["done"] and events[0].frame_index == 1
+    # (the text held back at the last frame, an incomplete character, is released first)
+    assert [e.kind for e in events if e.kind not in TEXT_CHANNELS] == ["done"] and events[-1].frame_index == 1
+    released = [e for e in events if e.kind == "assistant_text_delta"]
+    assert all(e.token_id is None for e in events if e.kind in TEXT_CHANNELS)
+    assert all(e.token_id is None for e in released)
+    assert text + "".join(e.delta for e in released) == session.text == \
+        tiny_model.tokenizer.decode(session._text.tokens, skip_special_tokens=False)
     assert session.closed
     with pytest.raises(RuntimeError, match="closed"):
         session.push_audio(wave[:1280], 16000)
@@ -175,7 +210,8 @@ def test_lifecycle(tiny_model, wave):
     session = tiny_model.create_streaming_session(nv.StreamingOptions())
     session.push_audio(wave[:3000], 16000)
     events = session.cancel()
-    assert [(e.kind, e.frame_index) for e in events] == [("cancelled", 2)]
+    assert [(e.kind, e.frame_index) for e in events if e.kind not in TEXT_CHANNELS] == [("cancelled", 2)]
+    assert all(e.token_id is None for e in events if e.kind in TEXT_CHANNELS)
     assert session.flush() == [] and session.cancel() == []
 
 

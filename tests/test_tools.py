@@ -12,6 +12,7 @@ import torch
 
 import nvchat_torch as nv
 from mlx_oracle import synth_audio
+from test_session import as_reference_shows
 from nvchat_torch.diagnostics import count_host_reads
 from nvchat_torch.tiny import build_tokenizer
 from nvchat_torch.tools import (
@@ -407,10 +408,7 @@ def test_a_session_with_tools_and_no_calls_streams_like_the_reference(model, too
     call_start = model.tokenizer.convert_tokens_to_ids("<SPECIAL_20>")
     assert call_start not in [e.token_id for e in events if e.kind == "function_delta"]  # no call was started
 
-    def summary(evs):
-        return [(e.kind, e.frame_index, e.token_id, e.delta, e.text) for e in evs if e.kind != "audio"]
-
-    assert summary(events) == summary(ref_events)
+    assert as_reference_shows(events) == as_reference_shows(ref_events)
     np.testing.assert_array_equal(np.stack([e.audio_codes for e in events if e.kind == "audio"]),
                                   np.stack([np.array(e.audio_codes) for e in ref_events if e.kind == "audio"]))
 

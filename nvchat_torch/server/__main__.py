@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from .app import WS_MAX_BYTES, create_app
+        from .app import WS_MAX_BYTES, create_app, listen_socket
     except ImportError as e:
         print(f"error: the server needs its extra ({e.name} is missing): pip install 'nvchat_torch[server]'",
               file=sys.stderr)
@@ -86,7 +86,13 @@ def main(argv: list[str] | None = None) -> int:
                      allow_origins=args.allow_origin, **extra)
     print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
           f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, ws_max_size=WS_MAX_BYTES, log_level=args.log_level)
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=WS_MAX_BYTES, log_level=args.log_level)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -15,11 +15,12 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 from fastapi import FastAPI, WebSocket
@@ -31,9 +32,10 @@ from ..events import StreamingOptions
 from .responses import ResponseEvents, _id
 from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
+from .ga_schema import show
 from .session_config import ClientError, SessionConfig, ga_update, is_mlx_update, mlx_update
 
-__all__ = ["create_app", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
+__all__ = ["create_app", "listen_socket", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS"]
 
 log = logging.getLogger("nvchat_torch.server")
@@ -43,9 +45,31 @@ WS_MAX_BYTES = 64 * 1024 * 1024  # the transport's own limit, above ours so that
 MAX_BUFFERED_SECONDS = 30.0  # input audio received and not yet run, per session; more is refused
 MAX_UNSENT_SECONDS = 3.0  # a client whose oldest unsent event is older than this is not reading: closed
 CLOSE_TOO_SLOW = 1008  # policy violation: the client does not read what it asked for
+CLOSE_WAIT_SECONDS = 10.0  # how long a too-slow client's close frame waits for it to read
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 GA_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
              "response.cancel", "response.create", "conversation.item.create")
+
+
+SEND_BUFFER_BYTES = 64 * 1024  # per connection, in the kernel: bounds what a client that stops reading holds
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket the server should run on (``uvicorn.Server.run(sockets=[...])``). Its
+    connections inherit a fixed send buffer: Linux otherwise grows it to megabytes for a client that
+    does not read, and the server would see that client's backlog (``max_unsent_seconds``) only
+    once minutes of events sat in the kernel."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+_READ = object()  # send_error's default: the client event being read
 
 
 def _tools_supported() -> bool:
@@ -154,10 +178,11 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
                 "message": f"all {server.max_sessions} sessions are in use; try again later"}}))
             await ws.close(code=1013)
             return
+        connection = Connection(server, ws)
         try:
-            await Connection(server, ws).run()
+            await connection.run()
         finally:
-            server.release()
+            connection.release_slot()
 
     return app
 
@@ -180,6 +205,8 @@ class Connection(ResponseEvents):
         self.output_ready = asyncio.Event()
         self.too_slow = asyncio.Event()  # the client does not read its events: the connection is closed
         self.sending_since: float | None = None  # arrival time of the output the pump is sending
+        self.released = False  # the server's slot given back (release_slot)
+        self.refused: str | None = None  # why the engine would not open a session with this config
         self.send_lock = asyncio.Lock()
         self.session_id = _id("sess")
         self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
@@ -195,15 +222,33 @@ class Connection(ResponseEvents):
         self.client_event_id: str | None = None
         self.announce_open = False  # mlx-vlm's session.update is answered once the session is open
 
+    def release_slot(self) -> None:
+        """Give back the server's slot (once): as soon as the session is gone, not after the close."""
+        if not self.released:
+            self.released = True
+            self.server.release()
+
     # ---- plumbing
     async def send(self, payload: dict) -> None:
         async with self.send_lock:
             await self.ws.send_text(json.dumps({"event_id": _id("event"), **payload}))
 
     async def send_error(self, code: str, message: str, *, param: str | None = None,
-                         kind: str = "invalid_request_error") -> None:
+                         kind: str = "invalid_request_error", event_id: Any = _READ) -> None:
+        """An ``error`` naming ``event_id``: by default the client event being read; outputs of the
+        worker pass the event that queued them (or None)."""
+        named = self.client_event_id if event_id is _READ else event_id
         await self.send({"type": "error", "error": {"type": kind, "code": code, "message": message,
-                                                    "param": param, "event_id": self.client_event_id}})
+                                                    "param": param, "event_id": named}})
+
+    async def _refused(self, out: Output) -> None:
+        """The engine would not open the session with these options: the client's error; it may
+        send a session.update and start again."""
+        self.scheduler.close(self.handle)
+        self.handle = None
+        self.refused = str(out.error)
+        await self.send_error("invalid_value", f"the session cannot start: {out.error}", param="session",
+                              event_id=out.tag)
 
     def _deliver(self, out: Output) -> None:  # on the worker thread
         try:
@@ -229,19 +274,30 @@ class Connection(ResponseEvents):
         await self.send({"type": "session.created", "session": self._ga_session()})
         tasks = {asyncio.create_task(self._read()), asyncio.create_task(self._pump()),
                  asyncio.create_task(self.too_slow.wait())}
+        crash: BaseException | None = None
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            crash = next((t.exception() for t in done if not t.cancelled() and t.exception() is not None), None)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.handle is not None:  # a disconnect frees the session at once
                 self.scheduler.close(self.handle)
-        if self.too_slow.is_set():
+            self.release_slot()
+        if crash is not None:  # a bug of ours, not the client's: said, logged, and the connection ends
+            log.error("session %s: the connection failed", self.session_id, exc_info=crash)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.send_error("internal_error", f"the server failed: {crash!r}",
+                                                       kind="server_error", event_id=None), timeout=2.0)
+                await asyncio.wait_for(self.ws.close(code=1011), timeout=2.0)
+        elif self.too_slow.is_set():
             reason = f"client too slow: events unread for over {self.server.max_unsent_seconds:g} s"
             log.warning("session %s closed: %s", self.session_id, reason)
-            with contextlib.suppress(Exception):  # its buffer may be full: do not wait on it for long
-                await asyncio.wait_for(self.ws.close(code=CLOSE_TOO_SLOW, reason=reason), timeout=2.0)
+            # Its slot is free already. The close frame queues behind the events the client has not
+            # read: it gets it if it reads within CLOSE_WAIT_SECONDS, else the connection is dropped.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(code=CLOSE_TOO_SLOW, reason=reason), timeout=CLOSE_WAIT_SECONDS)
 
     async def _read(self) -> None:
         limit = self.server.max_message_bytes
@@ -261,6 +317,8 @@ class Connection(ResponseEvents):
                     event = json.loads(text)
                 except ValueError as e:
                     raise ClientError("invalid_json", f"message is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise ClientError("invalid_json", "message is nested too deeply to parse") from None
                 if not isinstance(event, dict):
                     raise ClientError("invalid_json", "message must be a JSON object with a 'type'")
                 if isinstance(event.get("event_id"), str):
@@ -308,7 +366,7 @@ class Connection(ResponseEvents):
         elif etype == "session.ping":
             await self.send({"type": "session.pong"})
         else:
-            raise ClientError("unknown_event_type", f"unsupported event type {etype!r}; this server takes "
+            raise ClientError("unknown_event_type", f"unsupported event type {show(etype)}; this server takes "
                               f"{', '.join(GA_EVENTS)}", "type")
         return False
 
@@ -343,7 +401,7 @@ class Connection(ResponseEvents):
                                   "has started: open a new connection for a new conversation", "session")
             if cfg.output_rate != self.config.output_rate:
                 self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
-        self.config = cfg
+        self.config, self.refused = cfg, None
         await self.send({"type": "session.updated", "session": self._ga_session()})
 
     async def _mlx_update(self, session: dict) -> None:
@@ -358,7 +416,7 @@ class Connection(ResponseEvents):
         self.in_resampler = StreamResampler(self.config.input_rate, self.model_rate)
         self.out_resampler = StreamResampler(self.output_model_rate, self.config.output_rate)
         self.announce_open = announce
-        self.handle = self.scheduler.open(options, self._deliver)
+        self.handle = self.scheduler.open(options, self._deliver, tag=self.client_event_id)
 
     # ---- audio in
     def _append(self, event: dict) -> None:
@@ -368,7 +426,10 @@ class Connection(ResponseEvents):
         try:
             raw = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError):
-            raise ClientError("invalid_base64", "'audio' is not valid base64", "audio") from None
+            raw = None
+        # strict: only the canonical encoding (padding where it belongs), as every encoder writes it
+        if raw is None or base64.b64encode(raw).decode("ascii") != audio:
+            raise ClientError("invalid_base64", "'audio' is not valid base64 (standard alphabet, padded)", "audio")
         if len(raw) % 2:
             raise ClientError("invalid_audio_length", f"pcm16 audio needs an even number of bytes, got {len(raw)}",
                               "audio")
@@ -393,6 +454,9 @@ class Connection(ResponseEvents):
                                   f"{(backlog + incoming) / self.model_rate:.1f} s of audio not yet run, over the "
                                   f"limit of {limit / self.model_rate:.1f} s; send audio at real-time pace (the "
                                   "append was dropped)", "audio")
+        elif self.refused is not None:
+            raise ClientError("invalid_value", f"the session cannot start: {self.refused}; send a session.update "
+                              "that fixes it", "session")
         else:
             self._start()
         samples = self.in_resampler(pcm16_decode(raw))
@@ -426,9 +490,9 @@ class Connection(ResponseEvents):
             raise ClientError("invalid_value", "function_call_output needs string 'call_id' and 'output'", "item")
         try:
             value = json.loads(output)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = output
-        self.scheduler.call(self.handle, "send_tool_result", call_id, value)
+        self.scheduler.call(self.handle, "send_tool_result", call_id, value, tag=self.client_event_id)
 
     # ---- model outputs
     async def _pump(self) -> None:

@@ -49,15 +49,18 @@ class ResponseEvents:
     async def _ga_output(self, out: Output) -> bool:
         if out.kind == "opened":
             return False
-        if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error), param="item.call_id")
+        if out.kind == "rejected":  # naming the event that asked, not the last one read
+            await self.send_error("invalid_tool_result", str(out.error), param="item.call_id", event_id=out.tag)
+            return False
+        if out.kind == "refused":
+            await self._refused(out)
             return False
         if out.kind == "error":
             log.error("session %s failed", self.session_id, exc_info=out.error)
             if self.response is not None:
                 await self._close_response("failed")
             await self.send_error("session_failed", f"the model failed: {out.error!r}; the session is over",
-                                  kind="server_error")
+                                  kind="server_error", event_id=None)
             return await self._end(1011)
         if out.kind == "mark":
             if out.tag == "clear":
@@ -81,13 +84,15 @@ class ResponseEvents:
         if out.kind == "limit":
             if self.response is not None:
                 await self._close_response("incomplete")
-            await self.send_error("context_limit", str(out.error), kind="invalid_request_error")
+            await self.send_error("context_limit", str(out.error), kind="invalid_request_error", event_id=None)
             return await self._end(1000)
         return False
 
     async def _ga_event(self, event) -> None:
         kind = event.kind
         if kind == "user_transcript_delta":
+            if not event.delta:  # whitespace the transcript holds until text follows: no item for it
+                return
             if self.user_item is None:
                 self.user_item, self.user_text = _id("item"), ""
             self.user_text += event.delta
@@ -113,7 +118,7 @@ class ResponseEvents:
         elif kind == "tool_call_error":
             # the session goes on: the model sees no result, as after any call nobody answers
             await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: {event.reason} "
-                                  f"(raw: {event.text!r})", kind="server_error")
+                                  f"(raw: {event.text!r})", kind="server_error", event_id=None)
         # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
 
     async def _send_audio(self, samples: np.ndarray) -> None:
@@ -193,11 +198,15 @@ class ResponseEvents:
                 await self.send({"type": "input_audio_buffer.cleared"})
             return False
         if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error))
+            await self.send_error("invalid_tool_result", str(out.error), event_id=out.tag)
+            return False
+        if out.kind == "refused":
+            await self._refused(out)
             return False
         if out.kind == "error":
             log.error("session %s failed", self.session_id, exc_info=out.error)
-            await self.send_error("inference_error", f"the model failed: {out.error!r}", kind="server_error")
+            await self.send_error("inference_error", f"the model failed: {out.error!r}", kind="server_error",
+                                  event_id=None)
             return await self._end(1011)
         for event in out.events:
             payload = self._mlx_event(event)
@@ -206,7 +215,7 @@ class ResponseEvents:
             if event.kind in ("done", "cancelled"):  # as mlx-vlm: the session ends with its stream
                 return await self._end(1000)
         if out.kind == "limit":
-            await self.send_error("context_limit", str(out.error))
+            await self.send_error("context_limit", str(out.error), event_id=None)
             return await self._end(1000)
         return False
 

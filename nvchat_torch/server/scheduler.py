@@ -34,7 +34,8 @@ class Output:
     kind: "opened" | "events" (one frame's or a flush's events; ``ids`` the frame's raw text and
     function ids, ``compute_s`` the wall time of the step that ran it) | "mark" (``tag`` as queued) |
     "limit" (max_streaming_seconds was reached: the frames before it ran, the rest was dropped) |
-    "rejected" (a queued call raised ``ValueError``; the session goes on) | "error" (``error``: the
+    "rejected" (a queued call raised ``ValueError``; the session goes on; ``tag`` as queued) |
+    "refused" (the engine would not open the session: ``error``, ``tag``) | "error" (``error``: the
     exception; the session is over).
     """
 
@@ -74,13 +75,14 @@ class FrameScheduler:
         self._thread.start()
 
     # ---- called from the event loop (any thread)
-    def open(self, options: StreamingOptions, deliver: Callable[[Output], None]) -> int:
-        """Queue a new session; ``deliver`` is called on the worker thread with each Output."""
+    def open(self, options: StreamingOptions, deliver: Callable[[Output], None], tag: Any = None) -> int:
+        """Queue a new session; ``deliver`` is called on the worker thread with each Output. Options the
+        engine refuses (a prompt longer than the context) give ``Output("refused", error=, tag=tag)``."""
         with self._cond:
             handle = self._next
             self._next += 1
             slot = self._slots[handle] = _Slot(deliver)
-            slot.jobs.append(("open", options))
+            slot.jobs.append(("open", options, tag))
             self._cond.notify()
         return handle
 
@@ -103,9 +105,10 @@ class FrameScheduler:
     def cancel(self, handle: int) -> None:
         self._queue(handle, ("cancel",))
 
-    def call(self, handle: int, method: str, *args) -> None:
-        """Queue ``session.<method>(*args)`` (e.g. send_tool_result); its events come back as "events"."""
-        self._queue(handle, ("call", method, args))
+    def call(self, handle: int, method: str, *args, tag: Any = None) -> None:
+        """Queue ``session.<method>(*args)`` (e.g. send_tool_result); its events come back as "events",
+        a ``ValueError`` as ``Output("rejected", error=, tag=tag)``."""
+        self._queue(handle, ("call", method, args, tag))
 
     def drop_audio(self, handle: int) -> int:
         """Drop audio that has not run yet (queued, and buffered in the engine: the worker drops that
@@ -233,7 +236,13 @@ class FrameScheduler:
         kind = job[0]
         try:
             if kind == "open":  # the prompt is prefilled in pieces between steps (_prefill): "opened" then
-                slot.session = self.engine.open(job[1], defer_prefill=True)
+                try:
+                    slot.session = self.engine.open(job[1], defer_prefill=True)
+                except ValueError as e:  # options the model cannot run (a prompt past its context)
+                    with self._cond:
+                        slot.jobs.clear()
+                    slot.deliver(Output("refused", error=e, tag=job[2]))
+                    return
                 if slot.session.prefilling:
                     return
                 out = Output("opened")
@@ -270,7 +279,7 @@ class FrameScheduler:
                     try:
                         events = getattr(session, job[1])(*job[2]) or []
                     except ValueError as e:
-                        slot.deliver(Output("rejected", error=e))
+                        slot.deliver(Output("rejected", error=e, tag=job[3]))
                         return
                 out = Output("events", events=events)
         except Exception as e:  # this session ends; the others go on

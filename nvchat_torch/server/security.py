@@ -16,10 +16,13 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 __all__ = ["OriginPolicy", "normalize_origin", "is_loopback", "keys_equal"]
+
+log = logging.getLogger("nvchat_torch.server")
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -90,6 +93,10 @@ class OriginPolicy:
         if normalized in self.allowed:
             return None
         own_port = bound[1] if port is None else port
+        if bound[0] and is_loopback(bound[0]):  # this machine's names for it: localhost, 127.0.0.1, [::1]
+            parts = urlsplit(normalized)
+            if is_loopback(parts.hostname or "") and (parts.port or (80 if parts.scheme == "http" else 443)) == bound[1]:
+                return None
         for scheme in ("http", "https"):
             default = 80 if scheme == "http" else 443
             own = f"{scheme}://{host}" + ("" if own_port in (None, default) else f":{own_port}")
@@ -106,14 +113,11 @@ class OriginPolicy:
             return await self.app(scope, receive, send)
         body = json.dumps({"type": "error", "error": {"type": "invalid_request_error", "code": "origin_not_allowed",
                                                       "message": reason, "param": None, "event_id": None}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        log.warning("refused %s %s: %s", scope["type"], scope.get("path"), reason)
         if scope["type"] == "http":
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": 403, "headers": headers})
             await send({"type": "http.response.body", "body": body})
-        elif "websocket.http.response" in scope.get("extensions", {}):
+        else:  # closing a WebSocket before accepting it is an HTTP 403 (browsers show no body anyway)
             await receive()  # websocket.connect
-            await send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
-            await send({"type": "websocket.http.response.body", "body": body})
-        else:  # closing before accepting is a 403 too
-            await receive()
             await send({"type": "websocket.close", "code": 1008})

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from ..events import StreamingOptions
+from .ga_schema import PASS_THROUGH, UnknownKey, check, show
 
 __all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
            "OUTPUT_RATES", "ga_update", "mlx_update", "is_mlx_update"]
@@ -29,6 +30,7 @@ GA_SESSION_KEYS = frozenset({"type", "model", "instructions", "output_modalities
 GA_AUDIO_KEYS = {"input": frozenset({"format", "noise_reduction", "transcription", "turn_detection"}),
                  "output": frozenset({"format", "voice", "speed"})}
 GA_FORMAT_KEYS = frozenset({"type", "rate"})
+GA_TOOL_KEYS = frozenset({"type", "name", "description", "parameters"})  # a GA function tool
 # mlx-vlm's session.update (mlx_vlm/server/realtime.py reads these), and ours.
 MLX_SESSION_KEYS = frozenset({"model", "system_prompt", "seed", "max_streaming_seconds", "nvchat"})
 _MLX_ONLY = ("system_prompt", "seed", "max_streaming_seconds")
@@ -72,15 +74,13 @@ def is_mlx_update(session: dict) -> bool:
 def _check_keys(obj: dict, allowed: frozenset, where: str) -> None:
     for key in obj:
         if key not in allowed:
-            raise ClientError("unknown_parameter", f"unknown parameter {where}.{key}; {where} takes "
-                              f"{', '.join(sorted(allowed))}", f"{where}.{key}")
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}; {where} takes "
+                              f"{', '.join(sorted(allowed))}", f"{where}.{show(key, 40)[1:-1]}")
 
 
 def _object(value: Any, where: str) -> dict:
-    if value is None:
-        return {}
     if not isinstance(value, dict):
-        raise ClientError("invalid_value", f"{where} must be an object, got {type(value).__name__}", where)
+        raise ClientError("invalid_value", f"{where} must be an object, got {show(value)}", where)
     return value
 
 
@@ -89,10 +89,10 @@ def _rate(fmt: Any, allowed: tuple[int, ...], where: str) -> int:
     _check_keys(fmt, GA_FORMAT_KEYS, where)
     if fmt.get("type", "audio/pcm") != "audio/pcm":
         raise ClientError("unsupported_audio_format", f"{where}.type must be 'audio/pcm' (pcm16), got "
-                          f"{fmt.get('type')!r}", f"{where}.type")
+                          f"{show(fmt.get('type'))}", f"{where}.type")
     rate = fmt.get("rate", 24000)
     if isinstance(rate, bool) or not isinstance(rate, int) or rate not in allowed:
-        raise ClientError("unsupported_audio_format", f"{where}.rate {rate!r} is not supported; use one of "
+        raise ClientError("unsupported_audio_format", f"{where}.rate {show(rate)} is not supported; use one of "
                           f"{list(allowed)}", f"{where}.rate")
     return rate
 
@@ -101,68 +101,89 @@ def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
     for key, value in _object(extension, where).items():
         kinds = NVCHAT_KEYS.get(key)
         if kinds is None:
-            raise ClientError("unknown_parameter", f"unknown parameter {where}.{key}; {where} takes "
-                              f"{', '.join(sorted(NVCHAT_KEYS))}", f"{where}.{key}")
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}; {where} takes "
+                              f"{', '.join(sorted(NVCHAT_KEYS))}", f"{where}.{show(key, 40)[1:-1]}")
         if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-            raise ClientError("invalid_value", f"{where}.{key} has the wrong type: {value!r}", f"{where}.{key}")
-        if key == "max_streaming_seconds" and value is not None and not value > 0:
-            raise ClientError("invalid_value", f"{where}.max_streaming_seconds must be positive", f"{where}.{key}")
+            raise ClientError("invalid_value", f"{where}.{key} has the wrong type: {show(value)}", f"{where}.{key}")
+        try:
+            StreamingOptions.check(key, value)
+        except ValueError as e:
+            raise ClientError("invalid_value", f"{where}.{e}", f"{where}.{key}") from None
         setattr(cfg, key, value)
 
 
+def _pass_through(cfg: SessionConfig, path: str, value: Any) -> None:
+    """A GA value the model does not act on: checked against the GA schema, kept to show back."""
+    try:
+        check(value, PASS_THROUGH[path], f"session.{path}")
+    except UnknownKey as e:
+        raise ClientError("unknown_parameter", str(e), e.path) from None
+    except ValueError as e:
+        raise ClientError("invalid_value", str(e), f"session.{path}") from None
+    cfg.accepted[path] = value
+
+
+def _ga_tools(value: Any, tools_supported: bool) -> list:
+    if not isinstance(value, list):
+        raise ClientError("invalid_value", f"session.tools must be a list, got {show(value)}", "session.tools")
+    for i, tool in enumerate(value):
+        if isinstance(tool, dict):
+            _check_keys(tool, GA_TOOL_KEYS, f"session.tools[{i}]")
+    if value and not tools_supported:
+        raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet", "session.tools")
+    if value:
+        from ..tools import validate_tools
+
+        try:
+            validate_tools(value)
+        except (ValueError, TypeError) as e:
+            raise ClientError("invalid_value", f"session.{e}", "session.tools") from None
+    return value
+
+
 def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> SessionConfig:
-    """``config`` with a GA ``session.update``'s ``session`` applied (a new object; ``config`` is kept)."""
+    """``config`` with a GA ``session.update``'s ``session`` applied (a new object; ``config`` is kept).
+    ``null`` is taken only where the GA schema takes it (``turn_detection``, ``tracing``, ...)."""
     session = _object(session, "session")
     _check_keys(session, GA_SESSION_KEYS, "session")
     cfg = dataclasses.replace(config, tools=list(config.tools), accepted=dict(config.accepted))
     if session.get("type", "realtime") != "realtime":
-        raise ClientError("invalid_value", f"session.type must be 'realtime', got {session.get('type')!r}",
+        raise ClientError("invalid_value", f"session.type must be 'realtime', got {show(session.get('type'))}",
                           "session.type")
     if "instructions" in session:
-        if not isinstance(session["instructions"], (str, type(None))):
+        if not isinstance(session["instructions"], str):
             raise ClientError("invalid_value", "session.instructions must be a string", "session.instructions")
         cfg.instructions = session["instructions"]
-    audio = _object(session.get("audio"), "session.audio")
-    _check_keys(audio, frozenset(GA_AUDIO_KEYS), "session.audio")
-    for side, allowed in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
-        where = f"session.audio.{side}"
-        part = _object(audio.get(side), where)
-        _check_keys(part, GA_AUDIO_KEYS[side], where)
-        if part.get("format") is not None:
-            setattr(cfg, f"{side}_rate", _rate(part["format"], allowed, f"{where}.format"))
-        for key in GA_AUDIO_KEYS[side] - {"format"}:
-            if key in part:
-                cfg.accepted[f"audio.{side}.{key}"] = part[key]
-    if "output_modalities" in session:
-        modalities = session["output_modalities"]
-        if modalities is not None and modalities != ["audio"]:
-            raise ClientError("invalid_value", "session.output_modalities must be ['audio']: the model always "
-                              "speaks (its text comes as the audio transcript)", "session.output_modalities")
+    if "audio" in session:
+        audio = _object(session["audio"], "session.audio")
+        _check_keys(audio, frozenset(GA_AUDIO_KEYS), "session.audio")
+        for side, allowed in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
+            where = f"session.audio.{side}"
+            if side not in audio:
+                continue
+            part = _object(audio[side], where)
+            _check_keys(part, GA_AUDIO_KEYS[side], where)
+            if "format" in part:
+                setattr(cfg, f"{side}_rate", _rate(part["format"], allowed, f"{where}.format"))
+            for key in sorted(GA_AUDIO_KEYS[side] - {"format"}):
+                if key in part:
+                    _pass_through(cfg, f"audio.{side}.{key}", part[key])
+    if "output_modalities" in session and session["output_modalities"] != ["audio"]:
+        raise ClientError("invalid_value", "session.output_modalities must be ['audio']: the model always "
+                          "speaks (its text comes as the audio transcript)", "session.output_modalities")
     if "nvchat" in session:
         _nvchat(cfg, session["nvchat"], "session.nvchat")
     if "tools" in session:
-        tools = session["tools"] or []
-        if not isinstance(tools, list):
-            raise ClientError("invalid_value", "session.tools must be a list", "session.tools")
-        if tools and not tools_supported:
-            raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet", "session.tools")
-        if tools:
-            from ..tools import validate_tools
-
-            try:
-                validate_tools(tools)
-            except (ValueError, TypeError) as e:
-                raise ClientError("invalid_value", f"session.tools: {e}", "session.tools") from None
-        cfg.tools = tools
+        cfg.tools = _ga_tools(session["tools"], tools_supported)
     if "tool_choice" in session:
-        if session["tool_choice"] not in ("auto", None):
+        if session["tool_choice"] != "auto":
             raise ClientError("invalid_value", "session.tool_choice must be 'auto': the model decides when to call",
                               "session.tool_choice")
         cfg.tool_choice = "auto"
     for key in ("model", "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning", "tracing",
                 "truncation"):
         if key in session:
-            cfg.accepted[key] = session[key]
+            _pass_through(cfg, key, session[key])
     return cfg
 
 
@@ -176,10 +197,15 @@ def mlx_update(config: SessionConfig, session: Any, *, input_rate: int, output_r
     if not isinstance(prompt, (str, type(None))):
         raise ClientError("invalid_value", "session.system_prompt must be a string", "session.system_prompt")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ClientError("invalid_value", f"session.seed must be an int, got {seed!r}", "session.seed")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise ClientError("invalid_value", f"session.seed must be an int, got {show(seed)}", "session.seed")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
         raise ClientError("invalid_value", "session.max_streaming_seconds must be a positive number",
                           "session.max_streaming_seconds")
+    for key, value in (("seed", seed), ("max_streaming_seconds", limit)):
+        try:
+            StreamingOptions.check(key, value)
+        except ValueError as e:
+            raise ClientError("invalid_value", f"session.{e}", f"session.{key}") from None
     if not isinstance(session.get("model", ""), (str, type(None))):
         raise ClientError("invalid_value", "session.model must be a string", "session.model")
     cfg = dataclasses.replace(config, instructions=prompt, seed=seed, max_streaming_seconds=limit,
