@@ -331,3 +331,54 @@ def test_a_client_sending_faster_than_real_time_is_bounded(model, speech):
     heard = kinds.count("response.output_audio.delta")
     assert 2.0 / 0.08 <= heard <= (20 - len(refused)) * 0.5 / 0.08 + 1
     streamer.check_against(model)
+
+
+# ---- streamed text that adds up, over the wire
+
+
+def test_ga_deltas_add_up_on_a_speech_heavy_checkpoint(make_checkpoint, question_pcm):
+    """A dense RNNT transcript (several user items) and byte-level text with split characters: the
+    transcription deltas a GA client joins are the session's transcript, each item's deltas its
+    ``completed`` transcript, and the text deltas the session's streamed text, as sent alone."""
+    model = nv.load_model(make_checkpoint(seed=12, bits=4, rnnt_blank_boost=-1.0, pattern="M*M-*-M"), device="cpu")
+    pcm = np.tile(question_pcm, 2)
+    session = {**GA_16K_22K, "nvchat": {"deterministic": True, "seed": 0}}
+
+    async def run(address):
+        items: dict[str, str] = {}
+        completed: dict[str, str] = {}
+        got = {"text": "", "transcript": "", "responses": []}
+        async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
+            for i in range(0, len(pcm), FRAME):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm[i:i + FRAME])}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            committed = False
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+                kind = event["type"]
+                assert kind != "error", event
+                if kind == "conversation.item.input_audio_transcription.delta":
+                    assert event["delta"], "an item opened for nothing"
+                    items[event["item_id"]] = items.get(event["item_id"], "") + event["delta"]
+                    got["transcript"] += event["delta"]
+                elif kind == "conversation.item.input_audio_transcription.completed":
+                    completed[event["item_id"]] = event["transcript"]
+                elif kind == "response.output_audio_transcript.delta":
+                    got["text"] += event["delta"]
+                elif kind == "response.done":
+                    got["responses"].append(event["response"])
+                    if committed:
+                        return got, items, completed
+                elif kind == "input_audio_buffer.committed":
+                    committed = True
+
+    with serve(model) as (address, _):
+        got, items, completed = asyncio.run(run(address))
+    ref, events, _ = reference(model, pcm, deterministic=True, seed=0)
+    assert len(items) > 1 and got["transcript"] == ref.user_transcript == deltas(events, "user_transcript_delta")
+    assert completed == items
+    assert got["text"] == deltas(events, released=False)
+    assert "".join(r["output"][0]["content"][0]["transcript"] for r in got["responses"]) == got["text"]
+    assert model.tokenizer.decode(ref._text.tokens, skip_special_tokens=False).startswith(got["text"])
