@@ -103,3 +103,68 @@ async def drive(profile, address) -> dict:
                 f.write(base64.b64decode(shot["data"]))
         await tools.evaluate("document.getElementById('stop').click()")
         return state
+
+
+EVIL_PAGE = """<!doctype html><title>probing</title><script>
+function probe(url) {
+  return new Promise(resolve => {
+    const ws = new WebSocket(url);
+    ws.onmessage = e => { resolve("message:" + JSON.parse(e.data).type); ws.close(); };
+    ws.onerror = () => resolve("error");
+    setTimeout(() => resolve("timeout"), 20000);
+  });
+}
+Promise.all([probe("ws://%s/v1/realtime"), probe("ws://%s/v1/realtime")]).then(v => { document.title = v.join("|"); });
+</script>"""
+
+
+def test_another_sites_page_cannot_use_the_server_in_chromium(model, tmp_path):
+    """Cross-site WebSocket hijacking, as a browser does it: a page on another origin (another port)
+    opens a WebSocket to the server. The default server refuses it (403 before any session); one
+    started with that origin in --allow-origin takes it (so the probe can tell the two apart)."""
+    import http.server
+    import threading
+
+    assert CHROMIUM, "Chromium is needed (.ci/run installs Debian's chromium package)"
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    origin = f"http://127.0.0.1:{site.server_address[1]}"
+    with serve(model) as (default, _), serve(model, allow_origins=[origin]) as (allowing, _):
+        (tmp_path / "evil.html").write_text(EVIL_PAGE % (default, allowing))
+        site.RequestHandlerClass = lambda *a, **kw: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path),
+                                                                                        **kw)
+        threading.Thread(target=site.serve_forever, daemon=True).start()
+        profile = tmp_path / "profile"
+        browser = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                    "--remote-debugging-port=0", f"--user-data-dir={profile}", f"{origin}/evil.html"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            title = asyncio.run(page_title(profile, origin))
+        finally:
+            browser.terminate()
+            browser.wait(timeout=30)
+            site.shutdown()
+    assert title == "error|message:session.created", title
+
+
+async def page_title(profile, origin: str) -> str:
+    deadline = time.monotonic() + 60
+    port_file = profile / "DevToolsActivePort"
+    while not port_file.exists():
+        assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
+        await asyncio.sleep(0.1)
+    port = port_file.read_text().split()[0]
+    while True:
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10).read())
+        pages = [t for t in targets if t["type"] == "page" and origin in t["url"]]
+        if pages:
+            break
+        assert time.monotonic() < deadline, f"the page did not open: {targets}"
+        await asyncio.sleep(0.1)
+    async with websockets.connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
+        tools = DevTools(ws)
+        while time.monotonic() < deadline:
+            title = await tools.evaluate("document.title")
+            if title not in ("probing", "", None):
+                return title
+            await asyncio.sleep(0.2)
+    return "probing"
