@@ -18,11 +18,13 @@ import importlib.util
 import inspect
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 INPUT_RATE = 16000  # the model's rate: sent as it is, no resampling on the server
+AHEAD_SECONDS = 10.0  # how far ahead of real time a file is sent (the server buffers at most 30 s)
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -159,10 +161,15 @@ async def file_chunks(args, prepare_input):
         print(f"input: {note}", file=sys.stderr)
     samples = np.concatenate([samples, np.zeros(round(args.tail_seconds * INPUT_RATE), np.float32)])
     step = INPUT_RATE * 8 // 100
+    began = time.monotonic()
     for start in range(0, len(samples), step):
         yield samples[start:start + step]
         if args.realtime:
             await asyncio.sleep(step / INPUT_RATE)
+        else:  # as fast as the server takes it: at most AHEAD_SECONDS ahead of real time (its input bound is 30 s)
+            ahead = (start + step) / INPUT_RATE - (time.monotonic() - began)
+            if ahead > AHEAD_SECONDS:
+                await asyncio.sleep(ahead - AHEAD_SECONDS)
 
 
 async def mic_chunks(duration: float | None):

@@ -536,20 +536,23 @@ def test_scheduler_steps_the_sessions_together_on_its_clock(model):
     clock = 0.03
     scheduler = FrameScheduler(model, max_sessions=2, clock=clock)
     outputs: dict[str, list] = {"a": [], "b": []}
+    opened = {"a": threading.Event(), "b": threading.Event()}
     done = {"a": threading.Event(), "b": threading.Event()}
 
     def deliver(out, name):
         assert threading.current_thread().name == "nvchat-frames"
         outputs[name].append((out, time.perf_counter()))
+        if out.kind == "opened":
+            opened[name].set()
         if out.kind == "mark":
             done[name].set()
 
     try:
-        handles = {}
-        with scheduler._cond:  # queue everything before the worker starts (the lock is reentrant)
-            for name in ("a", "b"):
-                handles[name] = scheduler.open(nv.StreamingOptions(system_prompt=name, deterministic=True),
-                                               lambda out, name=name: deliver(out, name))
+        handles = {name: scheduler.open(nv.StreamingOptions(system_prompt=name, deterministic=True),
+                                        lambda out, name=name: deliver(out, name)) for name in ("a", "b")}
+        # Prompts are prefilled in pieces between steps, one session after the other: both join first.
+        assert opened["a"].wait(60) and opened["b"].wait(60)
+        with scheduler._cond:  # queue all the audio before the worker looks again (the lock is reentrant)
             scheduler.push(handles["a"], np.zeros(20 * 1280, np.float32))
             scheduler.push(handles["b"], np.zeros(10 * 1280 + 700, np.float32))  # and a partial frame
             for name in ("a", "b"):

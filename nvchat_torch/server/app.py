@@ -440,7 +440,7 @@ class Connection(ResponseEvents):
                                                   output_rate=self.output_model_rate)
             rate = event["sample_rate"]
             if rate != self.config.input_rate:
-                raise ClientError("unsupported_audio_format", f"sample_rate {rate!r} does not match the session's "
+                raise ClientError("unsupported_audio_format", f"sample_rate {show(rate)} does not match the session's "
                                   f"input rate {self.config.input_rate}", "sample_rate")
         self.dialect = self.dialect or "ga"
         if self.handle is not None:
