@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 from . import network_config
 from .network_config import (AudioConfig, CharacterEncoderConfig, CodecConfig, ConfigError, ConformerConfig, MoGConfig,
-                             PreprocessorConfig, RnntDecoderConfig, RnntJointConfig, TextConfig, TTSConfig, _check,
-                             _from_mapping, _positive)
+                             PreprocessorConfig, RnntDecoderConfig, RnntJointConfig, TextConfig, TTSConfig, require,
+                             from_mapping, require_positive)
 
 __all__ = [*network_config.__all__, "QuantSpec", "VoiceChatConfig", "FULL_SIZE_TEXT_CONFIG"]
 
@@ -128,7 +128,7 @@ class VoiceChatConfig:
             text_config=TextConfig.from_dict(values["text_config"]),
             audio_config=AudioConfig.from_dict(values.get("audio_config")),
             tts_config=TTSConfig.from_dict(values.get("tts_config")),
-            codec_config=_from_mapping(CodecConfig, values.get("codec_config"), "codec_config."),
+            codec_config=from_mapping(CodecConfig, values.get("codec_config"), "codec_config."),
             quantization=None if quant in (None, False) else dict(quant),
             **{k: v for k, v in values.items() if k in top},
         )
@@ -203,42 +203,42 @@ class VoiceChatConfig:
         self.audio_config.validate()
         self.tts_config.validate()
         self.codec_config.validate()
-        _positive(self, "", "input_sample_rate", "output_sample_rate", "frame_duration")
-        _check(self.function_channel_weight == self.function_channel_weight, "function_channel_weight", "is NaN")
-        _check(isinstance(self.speaker, str) and self.speaker.isidentifier(), "speaker",
+        require_positive(self, "", "input_sample_rate", "output_sample_rate", "frame_duration")
+        require(self.function_channel_weight == self.function_channel_weight, "function_channel_weight", "is NaN")
+        require(isinstance(self.speaker, str) and self.speaker.isidentifier(), "speaker",
                f"names the prompt latents' checkpoint key (audio_prompt_latents.<speaker>), got {self.speaker!r}")
         hop = self.audio_config.preprocessor.hop_length
         sub = self.audio_config.encoder.subsampling_factor
-        _check(self.input_frame_samples == hop * sub, "frame_duration",
+        require(self.input_frame_samples == hop * sub, "frame_duration",
                f"{self.frame_duration} s = {self.input_frame_samples} samples must equal "
                f"hop {hop} x subsampling {sub} = {hop * sub} (one encoder frame per frame)")
-        _check(self.input_sample_rate == self.audio_config.preprocessor.sample_rate, "input_sample_rate",
+        require(self.input_sample_rate == self.audio_config.preprocessor.sample_rate, "input_sample_rate",
                f"{self.input_sample_rate} != audio_config.preprocessor.sample_rate "
                f"{self.audio_config.preprocessor.sample_rate}")
-        _check(self.output_sample_rate == self.codec_config.sample_rate, "output_sample_rate",
+        require(self.output_sample_rate == self.codec_config.sample_rate, "output_sample_rate",
                f"{self.output_sample_rate} != codec_config.sample_rate {self.codec_config.sample_rate}")
-        _check(abs(self.output_frame_samples - self.output_sample_rate * self.frame_duration) < 1,
+        require(abs(self.output_frame_samples - self.output_sample_rate * self.frame_duration) < 1,
                "codec_config.downsample_rates",
                f"{self.output_frame_samples} samples per codec frame != {self.output_sample_rate} Hz x "
                f"{self.frame_duration} s")
         t = self.tts_config
-        _check((t.num_quantizers, t.codebook_size) == (self.codec_config.num_quantizers,
+        require((t.num_quantizers, t.codebook_size) == (self.codec_config.num_quantizers,
                                                        self.codec_config.codebook_size),
                "tts_config.num_quantizers", "num_quantizers/codebook_size must equal the codec's")
         n_rnnt = self.audio_config.decoder.vocab_size
-        _check(self.audio_config.joint.num_classes == n_rnnt, "audio_config.joint.num_classes",
+        require(self.audio_config.joint.num_classes == n_rnnt, "audio_config.joint.num_classes",
                f"{self.audio_config.joint.num_classes} != decoder.vocab_size {n_rnnt}")
-        _check(self.rnnt_blank_id == n_rnnt, "rnnt_blank_id",
+        require(self.rnnt_blank_id == n_rnnt, "rnnt_blank_id",
                f"{self.rnnt_blank_id} must equal the RNNT vocabulary size {n_rnnt} (blank is the last class)")
-        _check(isinstance(self.rnnt_vocabulary, list) and len(self.rnnt_vocabulary) == n_rnnt, "rnnt_vocabulary",
+        require(isinstance(self.rnnt_vocabulary, list) and len(self.rnnt_vocabulary) == n_rnnt, "rnnt_vocabulary",
                f"must list {n_rnnt} pieces, got {len(self.rnnt_vocabulary) if isinstance(self.rnnt_vocabulary, list) else type(self.rnnt_vocabulary).__name__}")
         vocab = self.text_config.vocab_size
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "silence_token_id"):
             value = getattr(self, key)
-            _check(isinstance(value, int) and 0 <= value < vocab, key, f"{value!r} is outside the vocabulary [0, {vocab})")
+            require(isinstance(value, int) and 0 <= value < vocab, key, f"{value!r} is outside the vocabulary [0, {vocab})")
         if self.quantization is not None:
             q = self.quantization
             for key in ("bits", "group_size"):
-                _check(key in q, f"quantization.{key}", "is required when 'quantization' is set")
+                require(key in q, f"quantization.{key}", "is required when 'quantization' is set")
             QuantSpec(bits=int(q["bits"]), group_size=int(q["group_size"]),
                       mode=str(q.get("mode", "affine"))).validate("config key 'quantization'")

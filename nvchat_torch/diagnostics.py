@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READS", "count_host_reads", "OpCounter", "model_bytes"]
+__all__ = ["HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "synchronize"]
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
@@ -79,3 +79,11 @@ def model_bytes(model: torch.nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (what the profiler's per-stage marks cost); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -24,14 +24,16 @@ import numpy as np
 import torch
 
 from .audio_io import as_mono_float32
+from .diagnostics import synchronize
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .gemma import TTSRows
-from .nemotron_h import KVCache, LanguageRows, MambaCache, fused_input, language_heads
+from .language_heads import fused_input, language_heads
+from .nemotron_h import KVCache, LanguageRows, MambaCache
 from .rnnt import RnntState
-from .session import AudioInput, StreamingSession, _synchronize
+from .session import AudioInput, StreamingSession
 
 if TYPE_CHECKING:
-    from .model import VoiceChatModel
+    from .networks import VoiceChatNetworks
 
 __all__ = ["BatchEngine", "EngineSession"]
 
@@ -203,7 +205,7 @@ class BatchEngine:
     and audio only. A step reads the host once, and its op count does not grow with the batch.
     """
 
-    def __init__(self, model: VoiceChatModel, max_sessions: int = 8, profile: bool = False) -> None:
+    def __init__(self, model: VoiceChatNetworks, max_sessions: int = 8, profile: bool = False) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be a positive int, got {max_sessions!r}")
         self.model = model
@@ -448,7 +450,7 @@ class BatchEngine:
 
         def mark() -> None:
             if profile:
-                _synchronize(device)
+                synchronize(device)
                 stamps.append(time.perf_counter())
 
         frames = np.zeros((rows, self.model.config.input_frame_samples), dtype=np.float32)

@@ -68,7 +68,7 @@ class StreamingOptions:
 
     def __post_init__(self) -> None:
         if self.tools is not None:
-            from .tools import validate_tools
+            from .tool_prompt import validate_tools
 
             validate_tools(self.tools)
         self.check("max_streaming_seconds", self.max_streaming_seconds)

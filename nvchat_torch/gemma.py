@@ -110,7 +110,7 @@ class Rotary(nn.Module):
         return torch.addcmul(x * cos, swapped, sin).to(x.dtype)  # float32 tables: one rounding
 
 
-class _Attention(nn.Module):
+class AttentionProjections(nn.Module):
     """q/k/v/o projections without bias, on 2-D activations ``[B * L, dim]``.
 
     Queries and keys come out as one tensor (``[B, L, heads + kv_heads, head_dim]``) so that their
@@ -147,10 +147,10 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B * L, -1))
 
 
-class FusedQKV(_Attention):
+class FusedQKV(AttentionProjections):
     """Base of the attention swap classes: q, k and v as one matmul (``qkv_proj``)."""
 
-    def __init__(self, attention: _Attention):
+    def __init__(self, attention: AttentionProjections):
         adopt(self, attention)
         fuse_linears(self, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
 
@@ -257,7 +257,7 @@ class TTSRows:
                    held[:, None, None], held[:, None, None, :window])
 
 
-class GemmaAttention(_Attention):
+class GemmaAttention(AttentionProjections):
     """Self-attention with q/k RMSNorm before RoPE, scale ``query_pre_attn_scalar ** -0.5``, no soft-cap."""
 
     def __init__(self, config: TTSConfig):

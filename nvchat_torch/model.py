@@ -24,187 +24,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, cast, resolve_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
 from .config import QuantSpec, VoiceChatConfig
 from .diagnostics import model_bytes
-from .conformer import Perception
 from .events import StreamingOptions, VoiceChatResult
-from .layers import Linear, swap_modules
-from .nemotron_h import NemotronHModel, fuse_heads
-from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4, quantize_modules
-from .rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
-from .tts import SpeechDecoder, TTSPrompt
+from .networks import DuplexSTTModel, VoiceChatNetworks
+from .quant import QuantizedEmbedding, QuantizedLinear, quantize_modules
 
 if TYPE_CHECKING:
-    from .session import StreamingSession
     from .engine import BatchEngine
+    from .session import StreamingSession
 
 __all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
 
 
-class DuplexSTTModel(nn.Module):
-    """``stt_model``: perception, the RNNT transcript branch, and the Nemotron-H LLM with its
-    shared token embedding and two vocabulary heads (text and function call)."""
-
-    def __init__(self, config: VoiceChatConfig):
-        super().__init__()
-        t = config.text_config
-        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
-        self.llm = NemotronHModel(t)
-        self.lm_head = Linear(t.hidden_size, t.vocab_size, bias=False)
-        self.function_head = Linear(t.hidden_size, t.vocab_size, bias=False)
-        self.perception = Perception(config.audio_config)
-        self.rnnt_decoder = RnntDecoder(config.audio_config.decoder)
-        self.rnnt_joint = RnntJoint(config.audio_config.joint)
-
-
-class VoiceChatModel(nn.Module):
+class VoiceChatModel(VoiceChatNetworks):
     """NemotronLabs VoiceChat: 16 kHz user audio in, text / function / transcript / 22.05 kHz speech out.
 
     Use :func:`load_model` (a checkpoint) or :func:`nvchat_torch.load_tiny_model` (random weights),
     then :meth:`generate` (offline) or :meth:`create_streaming_session` (80 ms frames).
     """
 
-    def __init__(self, config: VoiceChatConfig):
-        super().__init__()
-        self.config = config
-        self.stt_model = DuplexSTTModel(config)
-        self.tts_model = SpeechDecoder(config.tts_config, config.codec_config, pad_token_id=config.pad_token_id,
-                                       eos_token_id=config.eos_token_id, speaker=config.speaker)
-        # The TTS timeline is the speaker prompt, then one position per LLM position: its rotary
-        # tables are built for all of them now, never while a session steps.
-        self.tts_model.tts_model.backbone.reserve_positions(
-            config.text_config.max_position_embeddings + self.tts_model.audio_prompt_latents.latents().shape[1])
-        self.tokenizer = None
-        self.fused_heads: nn.Module | None = None  # set by prepare(): lm_head and function_head as one matmul
-        self._tts_prompt: TTSPrompt | None = None
-        self.source = "random weights"
-        self.prepared = False
-
-    # ---- parts the sessions drive (not registered: their weights live in stt_model)
-    @property
-    def transcriber(self) -> RnntTranscriber:
-        stt = self.stt_model
-        return RnntTranscriber(stt.rnnt_decoder, stt.rnnt_joint, self.config.rnnt_blank_id,
-                               self.config.audio_config.max_symbols)
-
-    @property
-    def device(self) -> torch.device:
-        return self.stt_model.perception.proj.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activation dtype: float32 (the reference's flow) unless the opt-in fast mode set bf16/fp16."""
-        return self.stt_model.perception.encoder.activation_dtype
-
-    def set_activation_dtype(self, dtype: torch.dtype) -> None:
-        """Where the reference promotes to float32 (perception, RNNT, TTS backbone and heads), compute in
-        ``dtype`` instead: float32 is the faithful default, bf16/fp16 the fast mode. Call before
-        :meth:`init_constants` and :meth:`prepare`."""
-        for module in self.modules():
-            if hasattr(module, "activation_dtype"):
-                setattr(module, "activation_dtype", dtype)
-
-    def init_constants(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
-        self.stt_model.perception.init_constants(device)
-        self.stt_model.rnnt_decoder.init_constants(device)
-        self.stt_model.llm.init_constants(device)
-        self.tts_model.init_constants(device)
-
-    def prepare(self, int4: bool = True) -> "VoiceChatModel":
-        """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
-        fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul (which replaces
-        them: no second copy), stacked codebooks, the RNNT gate table, and 4-bit packed linears on
-        torch's int4pack kernel where the device has one that passes its self-test (computing in the
-        activation dtype: see :func:`~nvchat_torch.quant.pack_int4`)."""
-        self.stt_model.perception.fuse()
-        swap_modules(self.stt_model, RnntDecoder, FusedRnntDecoder)
-        self.stt_model.llm.fuse()
-        self.tts_model.fuse()
-        if self.fused_heads is None:
-            self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
-            del self.stt_model.lm_head, self.stt_model.function_head
-        if int4:
-            pack_int4(self, dtype=self.dtype)
-        self.prepared = True
-        return self.requires_grad_(False)  # the fused modules' new parameters too
-
-    # ---- casts. A prepared model computes in the dtypes load_model chose, so it refuses a cast that
-    # would round its float32 islands. An unprepared one casts as the reference casts a model (A_log
-    # stays float32, see checkpoint.cast); then call set_activation_dtype, init_constants (the cast
-    # rounded the float32 constants too) and prepare, as load_tiny_model does.
-    def to(self, *args: Any, **kwargs: Any) -> "VoiceChatModel":  # type: ignore[override]
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if not self.prepared:
-            return cast(self, *args, **kwargs)
-        if dtype is not None and dtype != self.dtype:
-            raise _recast_error(f".to({dtype})")
-        if device is None or torch.device(device) == self.device:
-            return self  # the activation dtype already: nothing to convert (and no constant to round)
-        if self.int4_packed():
-            raise RuntimeError(f"model.to({device}): the 4-bit weights are packed for {self.device}'s int4 kernel, "
-                               f"in a layout other devices read differently; load the model there instead: "
-                               f"nvchat_torch.load_model(path, device={str(device)!r})")
-        return super().to(device=device)
-
-    def _cast(self, dtype: torch.dtype, call: str) -> "VoiceChatModel":
-        if self.prepared:
-            raise _recast_error(call)
-        return cast(self, dtype)
-
-    def half(self) -> "VoiceChatModel":  # type: ignore[override]
-        return self._cast(torch.float16, ".half()")
-
-    def bfloat16(self) -> "VoiceChatModel":  # type: ignore[override]
-        return self._cast(torch.bfloat16, ".bfloat16()")
-
-    def float(self) -> "VoiceChatModel":  # type: ignore[override]
-        return self._cast(torch.float32, ".float()")
-
-    def double(self) -> "VoiceChatModel":  # type: ignore[override]
-        return self._cast(torch.float64, ".double()")
-
-    def int4_packed(self) -> bool:
-        return any(isinstance(m, Int4PackedLinear) for m in self.modules())
-
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tts_model.tts_model.set_vocabulary(tokenizer.get_vocab())
-
-    def tts_prompt(self) -> TTSPrompt:
-        """The speaker warmup prompt: deterministic per checkpoint, so computed once (it runs the codec encoder)."""
-        if self._tts_prompt is None:
-            with torch.inference_mode():
-                self._tts_prompt = self.tts_model.prompt()
-        return self._tts_prompt
-
-    def describe(self) -> str:
-        """The model in one paragraph: size, mode, and the kernel path each kind of layer takes."""
-        t = self.config.text_config
-        n = sum(p.numel() for p in self.parameters())
-        mode = "faithful (float32 activations, weights as stored)" if self.dtype == torch.float32 else \
-            f"fast ({self.dtype} activations)"
-        paths: dict[str, int] = {}
-        for m in self.modules():
-            if isinstance(m, Int4PackedLinear):
-                key = f"4-bit linears: torch int4pack kernel with {m.dtype} activations"
-            elif isinstance(m, QuantizedLinear):
-                key = (f"{m.spec.mode} {m.spec.bits}-bit linears: dequantized on every call "
-                       f"({m.scales.dtype} scales)")
-            elif isinstance(m, QuantizedEmbedding):
-                key = f"{m.spec.mode} {m.spec.bits}-bit embedding: rows dequantized when read"
-            elif isinstance(m, nn.Linear):
-                key = f"dense linears: {m.weight.dtype} weights"
-            else:
-                continue
-            paths[key] = paths.get(key, 0) + 1
-        lines = [f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
-                 f"{n / 1e6:.1f} M parameters ({model_bytes(self) / 1e9:.2f} GB as held), {mode}, on {self.device}"]
-        lines += [f"  {key}: {count}" for key, count in sorted(paths.items())]
-        return "\n".join(lines)
-
-    # ---- inference
     def create_streaming_session(self, options: StreamingOptions | None = None, **kwargs: Any) -> "StreamingSession":
         """A new 80 ms streaming session with its own caches (sessions on one model are independent)."""
         from .session import StreamingSession
@@ -425,14 +265,6 @@ def check_dtype(dtype: torch.dtype | None) -> None:
                          "the fast mode, or the default (None) for the faithful one")
     if dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be None (faithful), torch.float32 or torch.bfloat16 (fast), got {dtype}")
-
-
-def _recast_error(call: str) -> RuntimeError:
-    return RuntimeError(
-        f"model{call}: a loaded model computes in the dtypes load_model chose for it (float32 islands such "
-        f"as the Mamba A and state and the RVQ distance search included), and a cast would round them; "
-        f"load it in the mode you want instead: nvchat_torch.load_model(path, dtype=None) (faithful), "
-        f"dtype=torch.float32, or dtype=torch.bfloat16 (fast)")
 
 
 def load_tokenizer(folder: Path) -> Any:

@@ -35,19 +35,21 @@ class ConfigError(ValueError):
     """A config.json key is missing or holds an impossible value; the message names it."""
 
 
-def _check(cond: bool, key: str, msg: str) -> None:
+def require(cond: bool, key: str, msg: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``cond`` (the config checks of every network)."""
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
-def _positive(obj: Any, prefix: str, *names: str) -> None:
+def require_positive(obj: Any, prefix: str, *names: str) -> None:
+    """Each of ``obj``'s fields ``names`` is a positive number (``prefix`` names where it sits)."""
     for name in names:
         value = getattr(obj, name)
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+        require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
                f"{prefix}{name}", f"must be a positive number, got {value!r}")
 
 
-def _from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str, required: tuple[str, ...] = ()) -> T:
+def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str, required: tuple[str, ...] = ()) -> T:
     """Build dataclass ``cls`` from ``values``, ignoring unknown keys, requiring ``required``."""
     if values is None:
         values = {}
@@ -91,14 +93,14 @@ class PreprocessorConfig:
         return int(self.window_stride * self.sample_rate)
 
     def validate(self, prefix: str = "audio_config.preprocessor.") -> None:
-        _positive(self, prefix, "sample_rate", "features", "n_fft", "window_size", "window_stride")
-        _check(self.win_length <= self.n_fft, f"{prefix}window_size",
+        require_positive(self, prefix, "sample_rate", "features", "n_fft", "window_size", "window_stride")
+        require(self.win_length <= self.n_fft, f"{prefix}window_size",
                f"window of {self.win_length} samples exceeds n_fft {self.n_fft}")
-        _check(self.hop_length > 0, f"{prefix}window_stride", "hop length rounds to 0 samples")
-        _check(self.window == "hann", f"{prefix}window", f"only 'hann' is supported, got {self.window!r}")
-        _check(self.normalize in ("NA", "None", None, "none"), f"{prefix}normalize",
+        require(self.hop_length > 0, f"{prefix}window_stride", "hop length rounds to 0 samples")
+        require(self.window == "hann", f"{prefix}window", f"only 'hann' is supported, got {self.window!r}")
+        require(self.normalize in ("NA", "None", None, "none"), f"{prefix}normalize",
                f"only 'NA' (no normalisation) is supported, got {self.normalize!r}")
-        _check(self.pad_to == 0, f"{prefix}pad_to", "must be 0 (the streaming front end cannot pad)")
+        require(self.pad_to == 0, f"{prefix}pad_to", "must be 0 (the streaming front end cannot pad)")
 
 
 @dataclass
@@ -145,25 +147,25 @@ class ConformerConfig:
         return int(round(math.log2(self.subsampling_factor)))
 
     def validate(self, prefix: str = "audio_config.encoder.") -> None:
-        _positive(self, prefix, "feat_in", "n_layers", "d_model", "n_heads", "ff_expansion_factor",
+        require_positive(self, prefix, "feat_in", "n_layers", "d_model", "n_heads", "ff_expansion_factor",
                   "subsampling_conv_channels", "conv_kernel_size", "pos_emb_max_len")
-        _check(self.d_model % self.n_heads == 0, f"{prefix}n_heads",
+        require(self.d_model % self.n_heads == 0, f"{prefix}n_heads",
                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         sf = self.subsampling_factor
-        _check(isinstance(sf, int) and sf >= 2 and sf & (sf - 1) == 0, f"{prefix}subsampling_factor",
+        require(isinstance(sf, int) and sf >= 2 and sf & (sf - 1) == 0, f"{prefix}subsampling_factor",
                f"must be a power of two >= 2, got {sf!r}")
-        _check(self.conv_kernel_size % 2 == 1, f"{prefix}conv_kernel_size",
+        require(self.conv_kernel_size % 2 == 1, f"{prefix}conv_kernel_size",
                f"must be odd, got {self.conv_kernel_size}")
-        _check(self.self_attention_model == "rel_pos", f"{prefix}self_attention_model",
+        require(self.self_attention_model == "rel_pos", f"{prefix}self_attention_model",
                f"only 'rel_pos' is supported, got {self.self_attention_model!r}")
-        _check(self.conv_norm_type == "layer_norm", f"{prefix}conv_norm_type",
+        require(self.conv_norm_type == "layer_norm", f"{prefix}conv_norm_type",
                f"only 'layer_norm' is supported, got {self.conv_norm_type!r}")
-        _check(self.conv_context_size in ("causal", None) or
+        require(self.conv_context_size in ("causal", None) or
                list(self.conv_context_size) == [self.conv_kernel_size - 1, 0],
                f"{prefix}conv_context_size", f"only causal convolution is supported, got {self.conv_context_size!r}")
-        _check(self.causal_downsampling is True, f"{prefix}causal_downsampling", "must be true")
+        require(self.causal_downsampling is True, f"{prefix}causal_downsampling", "must be true")
         ctx = self.att_context_size
-        _check(bool(ctx) and len(ctx[0]) == 2 and ctx[0][0] > 0 and ctx[0][1] == 0,
+        require(bool(ctx) and len(ctx[0]) == 2 and ctx[0][0] > 0 and ctx[0][1] == 0,
                f"{prefix}att_context_size", f"must be [[left > 0, 0]] (no look-ahead), got {ctx!r}")
 
 
@@ -177,8 +179,8 @@ class RnntDecoderConfig:
     blank_as_pad: bool = True
 
     def validate(self, prefix: str = "audio_config.decoder.") -> None:
-        _positive(self, prefix, "pred_hidden", "pred_rnn_layers", "vocab_size")
-        _check(self.blank_as_pad is True, f"{prefix}blank_as_pad", "must be true")
+        require_positive(self, prefix, "pred_hidden", "pred_rnn_layers", "vocab_size")
+        require(self.blank_as_pad is True, f"{prefix}blank_as_pad", "must be true")
 
 
 @dataclass
@@ -192,8 +194,8 @@ class RnntJointConfig:
     num_classes: int = 1024
 
     def validate(self, prefix: str = "audio_config.joint.") -> None:
-        _positive(self, prefix, "joint_hidden", "encoder_hidden", "pred_hidden", "num_classes")
-        _check(self.activation == "relu", f"{prefix}activation", f"only 'relu' is supported, got {self.activation!r}")
+        require_positive(self, prefix, "joint_hidden", "encoder_hidden", "pred_hidden", "num_classes")
+        require(self.activation == "relu", f"{prefix}activation", f"only 'relu' is supported, got {self.activation!r}")
 
 
 @dataclass
@@ -209,10 +211,10 @@ class AudioConfig:
     def from_dict(cls, values: Mapping[str, Any] | None) -> "AudioConfig":
         values = dict(values or {})
         return cls(
-            preprocessor=_from_mapping(PreprocessorConfig, values.get("preprocessor"), "audio_config.preprocessor."),
-            encoder=_from_mapping(ConformerConfig, values.get("encoder"), "audio_config.encoder."),
-            decoder=_from_mapping(RnntDecoderConfig, values.get("decoder"), "audio_config.decoder."),
-            joint=_from_mapping(RnntJointConfig, values.get("joint"), "audio_config.joint."),
+            preprocessor=from_mapping(PreprocessorConfig, values.get("preprocessor"), "audio_config.preprocessor."),
+            encoder=from_mapping(ConformerConfig, values.get("encoder"), "audio_config.encoder."),
+            decoder=from_mapping(RnntDecoderConfig, values.get("decoder"), "audio_config.decoder."),
+            joint=from_mapping(RnntJointConfig, values.get("joint"), "audio_config.joint."),
             output_dim=values.get("output_dim", 4480),
             max_symbols=values.get("max_symbols", 10),
         )
@@ -222,12 +224,12 @@ class AudioConfig:
         self.encoder.validate()
         self.decoder.validate()
         self.joint.validate()
-        _positive(self, "audio_config.", "output_dim", "max_symbols")
-        _check(self.encoder.feat_in == self.preprocessor.features, "audio_config.encoder.feat_in",
+        require_positive(self, "audio_config.", "output_dim", "max_symbols")
+        require(self.encoder.feat_in == self.preprocessor.features, "audio_config.encoder.feat_in",
                f"{self.encoder.feat_in} != preprocessor.features {self.preprocessor.features}")
-        _check(self.joint.encoder_hidden == self.encoder.d_model, "audio_config.joint.encoder_hidden",
+        require(self.joint.encoder_hidden == self.encoder.d_model, "audio_config.joint.encoder_hidden",
                f"{self.joint.encoder_hidden} != encoder.d_model {self.encoder.d_model}")
-        _check(self.joint.pred_hidden == self.decoder.pred_hidden, "audio_config.joint.pred_hidden",
+        require(self.joint.pred_hidden == self.decoder.pred_hidden, "audio_config.joint.pred_hidden",
                f"{self.joint.pred_hidden} != decoder.pred_hidden {self.decoder.pred_hidden}")
 
 
@@ -290,7 +292,7 @@ class TextConfig:
         else:  # transformers writes infinities as tagged JSON objects
             values["time_step_limit"] = tuple(
                 float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
-        return _from_mapping(cls, values, "text_config.", _TEXT_REQUIRED + ("ssm_state_size", "n_groups"))
+        return from_mapping(cls, values, "text_config.", _TEXT_REQUIRED + ("ssm_state_size", "n_groups"))
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.num_attention_heads:
@@ -310,21 +312,21 @@ class TextConfig:
 
     def validate(self) -> None:
         p = "text_config."
-        _positive(self, p, "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        require_positive(self, p, "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
                   "conv_kernel", "n_groups", "head_dim", "layer_norm_epsilon")
         bad = sorted(set(self.hybrid_override_pattern) - set("M*-"))
-        _check(bool(self.hybrid_override_pattern) and not bad, p + "hybrid_override_pattern",
+        require(bool(self.hybrid_override_pattern) and not bad, p + "hybrid_override_pattern",
                f"must be a non-empty string of 'M', '*', '-' (got characters {bad})" if bad else "must not be empty")
         if self.num_hidden_layers is not None:
-            _check(self.num_hidden_layers == len(self.hybrid_override_pattern), p + "num_hidden_layers",
+            require(self.num_hidden_layers == len(self.hybrid_override_pattern), p + "num_hidden_layers",
                    f"{self.num_hidden_layers} != len(hybrid_override_pattern) = {len(self.hybrid_override_pattern)}")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0, p + "num_key_value_heads",
+        require(self.num_attention_heads % self.num_key_value_heads == 0, p + "num_key_value_heads",
                f"num_attention_heads {self.num_attention_heads} is not a multiple of {self.num_key_value_heads}")
-        _check(self.mamba_num_heads % self.n_groups == 0, p + "n_groups",
+        require(self.mamba_num_heads % self.n_groups == 0, p + "n_groups",
                f"mamba_num_heads {self.mamba_num_heads} is not a multiple of n_groups {self.n_groups}")
         lo, hi = self.time_step_limit
-        _check(0.0 <= lo <= hi, p + "time_step_limit", f"must satisfy 0 <= lo <= hi, got {self.time_step_limit}")
+        require(0.0 <= lo <= hi, p + "time_step_limit", f"must satisfy 0 <= lo <= hi, got {self.time_step_limit}")
 
 
 # --------------------------------------------------------------------------------------
@@ -391,10 +393,10 @@ class TTSConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "TTSConfig":
         values = dict(values or {})
-        values["character_encoder"] = _from_mapping(
+        values["character_encoder"] = from_mapping(
             CharacterEncoderConfig, values.get("character_encoder"), "tts_config.character_encoder.")
-        values["mog_head"] = _from_mapping(MoGConfig, values.get("mog_head"), "tts_config.mog_head.")
-        return _from_mapping(cls, values, "tts_config.")
+        values["mog_head"] = from_mapping(MoGConfig, values.get("mog_head"), "tts_config.mog_head.")
+        return from_mapping(cls, values, "tts_config.")
 
     @property
     def mask_code(self) -> int:
@@ -402,21 +404,21 @@ class TTSConfig:
 
     def validate(self) -> None:
         p = "tts_config."
-        _positive(self, p, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        require_positive(self, p, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "sliding_window", "sliding_window_pattern",
                   "rms_norm_eps", "query_pre_attn_scalar", "latent_size", "num_quantizers", "codebook_size",
                   "num_iterations", "exponent")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0, p + "num_key_value_heads",
+        require(self.num_attention_heads % self.num_key_value_heads == 0, p + "num_key_value_heads",
                f"num_attention_heads {self.num_attention_heads} is not a multiple of {self.num_key_value_heads}")
-        _check(0.0 < self.top_p <= 1.0, p + "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.noise_scale >= 0.0, p + "noise_scale", f"must be >= 0, got {self.noise_scale}")
+        require(0.0 < self.top_p <= 1.0, p + "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.noise_scale >= 0.0, p + "noise_scale", f"must be >= 0, got {self.noise_scale}")
         ce = self.character_encoder
-        _positive(ce, p + "character_encoder.", "hidden_size", "intermediate_size", "num_hidden_layers",
+        require_positive(ce, p + "character_encoder.", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "char_vocab_size")
         # The flag/special embeddings are built at the char-encoder width and added to the TTS width.
-        _check(ce.hidden_size == self.hidden_size, p + "character_encoder.hidden_size",
+        require(ce.hidden_size == self.hidden_size, p + "character_encoder.hidden_size",
                f"{ce.hidden_size} must equal tts_config.hidden_size {self.hidden_size}")
-        _positive(self.mog_head, p + "mog_head.", "intermediate_size", "low_rank", "num_layers", "num_predictions")
+        require_positive(self.mog_head, p + "mog_head.", "intermediate_size", "low_rank", "num_layers", "num_predictions")
 
 
 @dataclass
@@ -451,9 +453,9 @@ class CodecConfig:
 
     def validate(self) -> None:
         p = "codec_config."
-        _positive(self, p, "sample_rate", "base_channels", "blocks_per_stage", "block_kernel_size",
+        require_positive(self, p, "sample_rate", "base_channels", "blocks_per_stage", "block_kernel_size",
                   "latent_dim", "n_fft", "hop_length", "num_quantizers", "codebook_size")
-        _check(len(self.channel_multipliers) == len(self.downsample_rates) > 0, p + "channel_multipliers",
+        require(len(self.channel_multipliers) == len(self.downsample_rates) > 0, p + "channel_multipliers",
                f"needs one entry per downsample rate {self.downsample_rates}, got {self.channel_multipliers}")
-        _check(self.n_fft % self.hop_length == 0 and self.n_fft > self.hop_length, p + "hop_length",
+        require(self.n_fft % self.hop_length == 0 and self.n_fft > self.hop_length, p + "hop_length",
                f"n_fft {self.n_fft} must be a larger multiple of hop_length {self.hop_length}")

@@ -87,7 +87,7 @@ def run_ours(model_path: str, wave: np.ndarray, prompt: str | None, seed: int, d
     import torch
 
     import nvchat_torch as nv
-    from nvchat_torch.nemotron_h import language_heads
+    from nvchat_torch.language_heads import language_heads
 
     model = nv.load_model(model_path, device=device,
                           dtype=None if dtype in (None, "faithful") else getattr(torch, dtype))

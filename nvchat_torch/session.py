@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .audio_io import as_mono_float32, prepare_input
+from .diagnostics import synchronize
 from .events import (
     ContextLimit,
     FrameTiming,
@@ -28,12 +29,13 @@ from .events import (
     VoiceChatResult,
 )
 from .layers import REDUCED
-from .nemotron_h import SSD_CHUNK, fused_input, language_heads
+from .language_heads import fused_input, language_heads
+from .nemotron_h import SSD_CHUNK
 from .rnnt import TranscriptText
 from .tools import ToolChannel, render_system_prompt
 
 if TYPE_CHECKING:
-    from .model import VoiceChatModel
+    from .networks import VoiceChatNetworks
 
 # What push_audio and generate take: mono samples as a float (or int16) array or tensor, or a list
 # of numbers (ints are int16 PCM); generate also takes a file path.
@@ -44,17 +46,10 @@ __all__ = ["StreamingSession", "generate_offline"]
 PREFILL_CHUNK = SSD_CHUNK  # prompt positions per LLM call of the prefill: one piece of a deferred prefill
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 class _Timeline:
     """What the offline and streaming paths share: the LLM and TTS timeline from caller-owned caches."""
 
-    def __init__(self, model: VoiceChatModel, seed: int, deterministic: bool, use_language_cache: bool) -> None:
+    def __init__(self, model: VoiceChatNetworks, seed: int, deterministic: bool, use_language_cache: bool) -> None:
         self.model = model
         self.config = cfg = model.config
         self.device = model.device
@@ -155,7 +150,7 @@ class StreamingSession:
     (log-mel, Conformer, RNNT, LLM, TTS, codec), so several sessions can share one model.
     """
 
-    def __init__(self, model: VoiceChatModel, options: StreamingOptions, *, prefill: bool = True) -> None:
+    def __init__(self, model: VoiceChatNetworks, options: StreamingOptions, *, prefill: bool = True) -> None:
         """``prefill=False`` defers the system prompt's prefill: :meth:`prefill_step` runs it a piece at a
         time (the engine spreads it over other sessions' frames); the first audio completes it."""
         self.model = model
@@ -383,7 +378,7 @@ class StreamingSession:
 
         def mark() -> None:
             if profile:
-                _synchronize(device)
+                synchronize(device)
                 stamps.append(time.perf_counter())
 
         with torch.inference_mode():
@@ -461,7 +456,7 @@ def _load_audio(audio: AudioInput | str | Path, sample_rate: int) -> np.ndarray:
     return as_mono_float32(audio, sample_rate, sample_rate)
 
 
-def generate_offline(model: VoiceChatModel, audio: AudioInput | str | Path, *, system_prompt: str | None, seed: int,
+def generate_offline(model: VoiceChatNetworks, audio: AudioInput | str | Path, *, system_prompt: str | None, seed: int,
                      deterministic: bool, max_frames: int | None, extra_decoding_seconds: float,
                      use_language_cache: bool, tools: Sequence[dict] | None = None) -> VoiceChatResult:
     """One turn over the whole input, as the reference's ``VoiceChatSession.generate``: the mel and

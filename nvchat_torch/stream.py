@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args):
+def load_from_args(args):
     import torch
 
     import nvchat_torch as nv
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"input: {note}", file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        model = _load(args)
+        model = load_from_args(args)
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

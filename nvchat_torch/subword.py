@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import CharacterEncoderConfig
-from .gemma import FusedQKV, GatedMLP, Rotary, _Attention
+from .gemma import FusedQKV, GatedMLP, Rotary, AttentionProjections
 from .layers import Linear, OffsetRMSNorm, adopt, matmul, scalar, sigmoid
 
 __all__ = ["CharEncoderAttention", "FusedCharEncoderAttention", "CharEncoder", "SubwordFlagEmbedding",
@@ -28,7 +28,7 @@ SUBWORD_VOCAB_SIZE = 131_072  # rows of the checkpoint's subword-flag tables (fi
 MASKED_SCORE = -1e30
 
 
-class CharEncoderAttention(_Attention):
+class CharEncoderAttention(AttentionProjections):
     """Bidirectional attention over one subword's characters: RoPE at positions 0.., logits soft-capped
     (``tanh(s / cap) * cap``), padding keys filled with -1e30, float32 softmax."""
 

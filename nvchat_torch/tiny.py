@@ -361,7 +361,7 @@ def random_packed_model(config, bits: int = 4, group_size: int = 64, seed: int =
     tree. No more than one module is ever in float32 (the TTS, about 4 GB for the 11B shapes, before
     anything else exists), so the 11B model peaks near its packed size.
     """
-    from .conformer import Perception
+    from .perception import Perception
     from .model import build_model, mlx_community_specs
     from .nemotron_h import NemotronHBlock, RMSNorm
     from .quant import QuantizedEmbedding

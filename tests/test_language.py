@@ -17,15 +17,8 @@ import mlx.core as mx
 from mlx_oracle import Reference, full_size_manifest, to_np
 from nvchat_torch.checkpoint import Checkpoint, cast
 from nvchat_torch.config import QuantSpec, TextConfig, VoiceChatConfig
-from nvchat_torch.nemotron_h import (
-    KVCache,
-    MambaCache,
-    NemotronHAttention,
-    NemotronHModel,
-    fuse_heads,
-    fused_input,
-    language_heads,
-)
+from nvchat_torch.language_heads import fuse_heads, fused_input, language_heads
+from nvchat_torch.nemotron_h import KVCache, MambaCache, NemotronHAttention, NemotronHModel
 from nvchat_torch.quant import quantize_modules
 
 LANGUAGE = ("stt_model.embed_tokens", "stt_model.llm.", "stt_model.lm_head", "stt_model.function_head")

@@ -19,7 +19,7 @@ from mlx_oracle import full_size_manifest, synth_audio, to_np
 from mlx_vlm.models.nemotron_voicechat.streaming import _RNNTState
 from nvchat_torch.checkpoint import Checkpoint
 from nvchat_torch.config import PreprocessorConfig, VoiceChatConfig
-from nvchat_torch.conformer import Perception
+from nvchat_torch.perception import Perception
 from nvchat_torch.mel import LogMel
 from nvchat_torch.rnnt import RnntDecoder, RnntJoint, RnntTranscriber, TranscriptText
 

@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     import nvchat_torch as nv
-    from ..stream import _load
+    from ..stream import load_from_args
 
     if not is_loopback(args.host):
         print(f"warning: binding {args.host} exposes the server beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it can use it (--insecure)"), file=sys.stderr)
     try:
-        model = _load(args)
+        model = load_from_args(args)
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

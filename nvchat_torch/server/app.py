@@ -29,7 +29,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ..audio_io import StreamResampler, pcm16_decode
 from ..events import StreamingOptions
-from .responses import ResponseEvents, _id
+from .responses import ResponseEvents, new_id
 from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
 from .ga_schema import show
@@ -163,7 +163,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     async def realtime(ws: WebSocket) -> None:
         offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
         if not server.authorized(ws, offered):
-            body = {"type": "error", "event_id": _id("event"), "error": {
+            body = {"type": "error", "event_id": new_id("event"), "error": {
                 "type": "invalid_request_error", "code": "invalid_api_key", "param": None, "event_id": None,
                 "message": "missing or wrong API key: send 'Authorization: Bearer <key>'"}}
             if "websocket.http.response" in ws.scope.get("extensions", {}):
@@ -173,7 +173,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
             return
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         if not server.try_reserve():
-            await ws.send_text(json.dumps({"type": "error", "event_id": _id("event"), "error": {
+            await ws.send_text(json.dumps({"type": "error", "event_id": new_id("event"), "error": {
                 "type": "server_error", "code": "server_busy", "param": None, "event_id": None,
                 "message": f"all {server.max_sessions} sessions are in use; try again later"}}))
             await ws.close(code=1013)
@@ -208,7 +208,7 @@ class Connection(ResponseEvents):
         self.released = False  # the server's slot given back (release_slot)
         self.refused: str | None = None  # why the engine would not open a session with this config
         self.send_lock = asyncio.Lock()
-        self.session_id = _id("sess")
+        self.session_id = new_id("sess")
         self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
         self.config = SessionConfig()
         self.handle: int | None = None
@@ -231,7 +231,7 @@ class Connection(ResponseEvents):
     # ---- plumbing
     async def send(self, payload: dict) -> None:
         async with self.send_lock:
-            await self.ws.send_text(json.dumps({"event_id": _id("event"), **payload}))
+            await self.ws.send_text(json.dumps({"event_id": new_id("event"), **payload}))
 
     async def send_error(self, code: str, message: str, *, param: str | None = None,
                          kind: str = "invalid_request_error", event_id: Any = _READ) -> None:

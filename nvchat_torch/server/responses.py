@@ -21,7 +21,8 @@ __all__ = ["ResponseEvents"]
 log = logging.getLogger("nvchat_torch.server")
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
+    """A fresh protocol id (``event_...``, ``item_...``, ``resp_...``, ``sess_...``)."""
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
@@ -66,7 +67,7 @@ class ResponseEvents:
             if out.tag == "clear":
                 await self.send({"type": "input_audio_buffer.cleared"})
             elif out.tag == "commit":
-                item_id = self.user_item or _id("item")
+                item_id = self.user_item or new_id("item")
                 await self.send({"type": "input_audio_buffer.committed", "item_id": item_id,
                                  "previous_item_id": None})
                 await self._complete_user_item()
@@ -94,7 +95,7 @@ class ResponseEvents:
             if not event.delta:  # whitespace the transcript holds until text follows: no item for it
                 return
             if self.user_item is None:
-                self.user_item, self.user_text = _id("item"), ""
+                self.user_item, self.user_text = new_id("item"), ""
             self.user_text += event.delta
             await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": self.user_item,
                              "content_index": 0, "delta": event.delta})
@@ -144,7 +145,7 @@ class ResponseEvents:
         return body
 
     async def _open_response(self) -> None:
-        self.response = r = {"id": _id("resp"), "item_id": _id("item"), "transcript": "", "spoke": False,
+        self.response = r = {"id": new_id("resp"), "item_id": new_id("item"), "transcript": "", "spoke": False,
                              "calls": []}
         await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
         await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
@@ -171,7 +172,7 @@ class ResponseEvents:
         r = self.response
         arguments = json.dumps(event.arguments, ensure_ascii=False)
         index = 1 + len(r["calls"])
-        item = {"id": _id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
+        item = {"id": new_id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": event.call_id, "name": event.name, "arguments": ""}
         await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
                          "item": item})
