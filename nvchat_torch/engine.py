@@ -5,13 +5,10 @@
 complete frame pending, through log-mel, Conformer, RNNT, LLM, TTS and codec at once, and returns
 ``{handle: events}``; ``h.flush()`` / ``h.cancel()`` end a session.
 
-Each session occupies a slot: one row of every cache (two in the TTS: its conditional and
-unconditional rows), at its own positions. Rows step with their own ring slots, RoPE positions and
-masks (``forward_rows`` of each network), so a row computes what its session alone computes; a row
-without a frame this step computes too and is then put back (its recurrent state restored, its
-positions not advanced; what it wrote to a key/value or ring slot is past its position and is
-overwritten before it is read). A session is opened by a :class:`StreamingSession` at batch 1 (its
-system prompt prefilled exactly as alone), whose caches then move into the slot; its host side
+Each session occupies a slot: one row of the engine's :class:`~nvchat_torch.frame_step.FrameStep`,
+the frame path a :class:`StreamingSession` runs alone with one row, so a row computes what its
+session alone computes. A session is opened by a :class:`StreamingSession` at batch 1 (its system
+prompt prefilled exactly as alone), whose caches then move into the slot; its host side
 (detokenizers, tool calls, limits) stays that session's.
 """
 
@@ -21,15 +18,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .audio_io import as_mono_float32
-from .diagnostics import synchronize
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
-from .gemma import TTSRows
-from .language_heads import fused_input, language_heads
-from .nemotron_h import KVCache, LanguageRows, MambaCache
-from .rnnt import RnntState
+from .frame_step import FrameInput, FrameStep
 from .session import AudioInput, StreamingSession
 
 if TYPE_CHECKING:
@@ -45,9 +37,6 @@ class EngineSession:
         self.engine = engine
         self.session = session  # its host side: detokenizers, tool channel, limits, frame counter
         self.slot = slot  # its row in the batch; None while its deferred prefill runs
-        self.llm_position = 0  # the next LLM position (prompt included)
-        self.tts_position = 0  # the next TTS position (speaker warmup and prompt included)
-        self.round_keys_until = 0  # LLM positions below this store bf16 keys (see LanguageRows)
         self._pending = np.zeros(0, dtype=np.float32)
         self._frames: list[np.ndarray] = []  # complete frames waiting for a step
         self.finishing = False  # flushed: done once its frames have run
@@ -179,23 +168,6 @@ class EngineSession:
             raise RuntimeError(f"{call}: the session was flushed; its last frames run in the next steps")
 
 
-# A place a tensor lives: (object, attribute name) or (list, index).
-_Ref = tuple[Any, Any]
-
-
-def _get(ref: _Ref) -> torch.Tensor:
-    holder, key = ref
-    return holder[key] if isinstance(key, int) else getattr(holder, key)
-
-
-def _set(ref: _Ref, value: torch.Tensor) -> None:
-    holder, key = ref
-    if isinstance(key, int):
-        holder[key] = value
-    else:
-        setattr(holder, key, value)
-
-
 class BatchEngine:
     """Steps up to ``max_sessions`` streaming sessions of one model as one batch (see the module doc).
 
@@ -214,70 +186,10 @@ class BatchEngine:
         self.max_sessions = max_sessions
         self.profile = VoiceChatProfile(frame_duration_ms=cfg.frame_duration * 1000.0) if profile else None
         self.steps = 0
-        stt = model.stt_model
-        self._perception = stt.perception
-        self._transcriber = model.transcriber
-        self._embed, self._llm = stt.embed_tokens, stt.llm
-        self._heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
-        self._speech = model.tts_model
-        self._codec = model.tts_model.audio_codec
-        self._slots: list[EngineSession | None] = []
+        self._frames = FrameStep(model)
+        self._slots: list[EngineSession | None] = []  # by slot (the FrameStep's rows)
         self._joining: list[EngineSession] = []  # deferred prefills, oldest first (see prefill)
         self._failures: dict[EngineSession, BaseException] = {}
-        with torch.inference_mode():
-            self._silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
-            self._start_hc = self._transcriber.new_state().hc
-            self._new_caches(0)
-
-    # ---- the batched caches: one row per slot (two in the TTS)
-    def _new_caches(self, batch: int) -> None:
-        perception, dtype = self._perception, self.model.dtype
-        self._mel = perception.log_mel.new_rows_cache(batch)
-        self._conformer = perception.new_rows_cache(batch)
-        self._rnnt = RnntState(self._start_hc.repeat(1, batch, 1))
-        self._language = self._llm.new_cache(batch, dtype=dtype)
-        self._ids = torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
-        tts = self._speech.tts_model
-        self._tts = tts.new_cache()
-        for buffers in (self._tts.keys, self._tts.values):
-            for i, t in enumerate(buffers):
-                buffers[i] = t.new_zeros(2 * batch, *t.shape[1:])
-        self._codes = self._silence.repeat(batch, 1, 1)
-        self._codec_cache = self._codec.new_cache(batch)
-
-    def _recurrent(self) -> list[tuple[_Ref, int, int]]:
-        """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
-        refs: list[tuple[_Ref, int, int]] = [((self._mel, "samples"), 0, 1), ((self._conformer, "mel"), 0, 1),
-                                            ((self._rnnt, "hc"), 1, 1), ((self, "_ids"), 0, 1),
-                                            ((self, "_codes"), 0, 1), ((self._codec_cache, "spectrum"), 0, 1)]
-        refs += [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
-        refs += [((c, "ssm_state"), 0, 1) for c in self._language.layers if isinstance(c, MambaCache)]
-        return refs
-
-    def _buffers(self) -> list[tuple[_Ref, int, int]]:
-        """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
-        refs = self._recurrent() + [((self._conformer, "kv"), 2, 1), ((self._conformer, "conv"), 1, 1)]
-        for c in self._language.layers:
-            if isinstance(c, MambaCache):
-                refs.append(((c, "conv_state"), 0, 1))
-            elif isinstance(c, KVCache):
-                refs += [((c, "keys"), 0, 1), ((c, "values"), 0, 1)]
-        for buffers in (self._tts.keys, self._tts.values):
-            refs += [((buffers, i), 0, 2) for i in range(len(buffers))]
-        return refs
-
-    def _resize(self, batch: int) -> None:
-        """``batch`` slots: rows added at the end (zeros), or the last ones dropped (freed)."""
-        for ref, axis, per in self._buffers():
-            t = _get(ref)
-            have = t.shape[axis] // per
-            if batch > have:
-                shape = list(t.shape)
-                shape[axis] = (batch - have) * per
-                t = torch.cat([t, t.new_zeros(shape)], dim=axis)
-            else:
-                t = t.narrow(axis, 0, batch * per).clone()
-            _set(ref, t)
 
     # ---- sessions
     @property
@@ -307,7 +219,8 @@ class BatchEngine:
                              "use_language_cache must be True (the uncached paths are diagnostics for one session)")
         if len(self.sessions) + len(self._joining) >= self.max_sessions:
             raise RuntimeError(f"the engine is full: {self.max_sessions} sessions are open (max_sessions)")
-        handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill), None)
+        handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill, own_frames=False),
+                               None)
         if handle.session.prefilling:
             self._joining.append(handle)
         else:
@@ -344,48 +257,10 @@ class BatchEngine:
 
     def _join(self, handle: EngineSession) -> None:
         """Give a prefilled session a slot (the first free one, or a new row) and its caches."""
-        slot = next((i for i, s in enumerate(self._slots) if s is None), len(self._slots))
-        handle.slot = slot
-        with torch.inference_mode():
-            if slot == len(self._slots):
-                self._resize(slot + 1)
-                self._slots.append(None)
-            self._adopt(handle)
-        self._slots[slot] = handle
-
-    def _adopt(self, handle: EngineSession) -> None:
-        """Move a freshly prefilled session's caches into its slot's rows (and reset the rest)."""
-        r, session = handle.slot, handle.session
-        timeline = session._timeline
-        for ref, axis, per in self._buffers():
-            _get(ref).narrow(axis, r * per, per).zero_()
-        self._rnnt.hc[:, r] = session._rnnt_state.hc[:, 0]
-        self._ids[r] = self.config.pad_token_id
-        self._codes[r] = timeline.previous_code[0]
-        language = timeline.language_cache
-        handle.llm_position = language.offset
-        for mine, theirs in zip(self._language.layers, language.layers):
-            if isinstance(mine, MambaCache):
-                mine.conv_state[r] = theirs.conv_state[0]
-                mine.ssm_state[r] = theirs.ssm_state[0]
-            elif isinstance(mine, KVCache):
-                n = theirs.offset
-                mine.reserve(n)
-                mine.keys[r, :, :n] = theirs.keys[0, :, :n]
-                mine.values[r, :, :n] = theirs.values[0, :, :n]
-                if n and theirs.keys.dtype == torch.bfloat16 and mine.keys.dtype != torch.bfloat16:
-                    handle.round_keys_until = theirs.blocks  # the reference stores bf16 until its next block
-        tts = timeline.tts_cache
-        handle.tts_position = tts.offset
-        for layer in range(len(tts.keys)):
-            window = tts.windows[layer]
-            held = tts.offset if window is None else min(tts.offset, window)
-            self._tts._reserve(layer, held)
-            self._tts.keys[layer][2 * r:2 * r + 2, :, :held] = tts.keys[layer][:, :, :held]
-            self._tts.values[layer][2 * r:2 * r + 2, :, :held] = tts.values[layer][:, :, :held]
-        # The slot holds them now: drop the session's own copies.
-        timeline.language_cache = timeline.tts_cache = None
-        session._mel_cache = session._conformer_cache = session._codec_cache = None
+        session = handle.session
+        handle.slot = self._frames.join(session._timeline, session._rnnt_state)
+        self._slots += [None] * (handle.slot + 1 - len(self._slots))
+        self._slots[handle.slot] = handle
 
     def _release(self, handle: EngineSession) -> None:
         handle.closed = True
@@ -396,16 +271,8 @@ class BatchEngine:
             return
         if self._slots[handle.slot] is handle:
             self._slots[handle.slot] = None
-        while self._slots and self._slots[-1] is None:  # trailing free slots: shrink the batch
-            self._slots.pop()
-        with torch.inference_mode():
-            if not self._slots:
-                self._new_caches(0)
-            elif len(self._slots) < self._rows():
-                self._resize(len(self._slots))
-
-    def _rows(self) -> int:
-        return self._ids.shape[0]
+            self._frames.leave(handle.slot)
+        del self._slots[len(self._frames.rows):]  # trailing free slots are cut off
 
     # ---- the step
     def step(self) -> dict[EngineSession, list[VoiceChatEvent]]:
@@ -443,75 +310,14 @@ class BatchEngine:
         return out
 
     def _run(self, running: list[EngineSession]) -> np.ndarray:
-        """The batched pass; ``[rows, values]`` of each row's transcript ids, ids, codes and samples."""
-        cfg, device, rows = self.config, self.device, self._rows()
+        """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples."""
         profile = self.profile is not None or any(s.options.profile for s in running)
-        stamps = [time.perf_counter()]
-
-        def mark() -> None:
-            if profile:
-                synchronize(device)
-                stamps.append(time.perf_counter())
-
-        frames = np.zeros((rows, self.model.config.input_frame_samples), dtype=np.float32)
-        # Per row: frame index, LLM position, TTS position, runs (0/1), runs the TTS, rounds its keys.
-        ints = np.zeros((6, rows), dtype=np.int64)
-        generators: list[torch.Generator | None] = [None] * rows
+        inputs = {}
         for s in running:
-            r = s.slot
-            frames[r] = s._frames.pop(0)
-            tts_runs = s.session._timeline.index > 0  # timeline position 0 runs no TTS
-            ints[:, r] = (s.frame_index, s.llm_position, s.tts_position, 1, tts_runs,
-                          s.llm_position < s.round_keys_until)
-            if tts_runs and not s.options.deterministic:
-                generators[r] = s.session._timeline.generator
-        for s in self.sessions:
-            if s not in running:  # sits out at its own positions: its writes land past them
-                ints[:3, s.slot] = (s.frame_index, s.llm_position, s.tts_position)
-        everyone = len(running) == rows
-        deterministic: bool | torch.Tensor = all(g is None for g in generators)
-        with torch.inference_mode():
-            table = torch.from_numpy(ints).to(device)
-            frame_index, llm_pos, tts_pos = table[0], table[1], table[2]
-            runs, tts_runs, round_keys = table[3].bool(), table[4].bool(), table[5].bool()
-            if deterministic is False:
-                deterministic = torch.tensor([g is None for g in generators], device=device)
-            saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
-            self._mel.frames = self._conformer.frames = frame_index
-            mel = self._perception.log_mel.forward_rows(torch.from_numpy(frames).to(device), self._mel)
-            projected, encoded = self._perception.forward_rows(mel, self._conformer)
-            mark()
-            transcript_ids = self._transcriber.step_rows(encoded, self._rnnt)  # [S, rows]
-            mark()
-            fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
-                                cfg.function_channel_weight)
-            language_rows = LanguageRows.make(llm_pos, int(ints[1].max()) + 1, self._llm.config.conv_kernel,
-                                              round_keys if ints[5].any() else None)
-            hidden = self._llm.forward_rows(fused, self._language, language_rows)
-            ids = language_heads(hidden, *self._heads).ids.view(rows, 2)
-            for s in running:  # force_tokens / a tool result: queued ids replace this row's outputs
-                if s.session._tools.forcing:
-                    ids[s.slot] = s.session._tools.apply(ids[s.slot])
-            self._ids = ids
-            mark()
-            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), int(ints[2].max()) + 1,
-                                    self._speech.tts_model.backbone.window)
-            codes = self._speech.step(self._codes, ids[:, 0], self._tts, generators, deterministic, tts_rows)
-            codes = torch.where(tts_runs[:, None, None], codes, self._silence)
-            self._codes = torch.where(tts_runs[:, None, None], codes, self._codes)
-            mark()
-            clean = self._speech.replace_control_codes(codes)
-            samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
-            for ref, axis, per, before in saved:  # rows that sat out: as they were
-                keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
-                _set(ref, torch.where(keep, _get(ref), before))
-            # One host read for the whole batch (ids < 2**24 are exact in float32).
-            ints_out = torch.cat([transcript_ids.t(), ids, clean.view(rows, -1)], dim=1)
-            packed = torch.cat([ints_out.float(), samples.view(rows, -1).float()], dim=1).numpy(force=True)
-        stamps.append(time.perf_counter())
-        for s in running:
-            s.llm_position += 1
-            s.tts_position += int(s.session._timeline.index > 0)
+            session = s.session
+            generator = None if s.options.deterministic else session._timeline.generator
+            inputs[s.slot] = FrameInput(s._frames.pop(0), generator, session._tools)
+        packed, stamps = self._frames.run(inputs, profile)
         if profile:  # the step's stages, for the engine and for every session that asked (its frame's)
             p, r, lm, tts, codec = np.diff(stamps) * 1000.0
             total = (stamps[-1] - stamps[0]) * 1000.0
@@ -522,4 +328,3 @@ class BatchEngine:
                     s.session.profile.frames.append(FrameTiming(s.frame_index, p, r, lm, tts, codec, total))
         self.steps += 1
         return packed
-

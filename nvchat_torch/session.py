@@ -1,15 +1,16 @@
-"""The 80 ms frame loop: the streaming session and the offline turn.
+"""The streaming session and the offline turn.
 
-Per 1280-sample frame (``StreamingSession._audio_frame``): streaming log-mel -> one FastConformer
-frame -> projection; RNNT step; fused LLM input -> greedy text and function ids; EAR-TTS step ->
-31 codes; codec step -> 1764 samples. Everything stays on the device, ids and codes feed the next
-step there, and the frame's outputs are packed into one tensor that is read once, so a frame costs
-one host sync (plus one per stage when profiling).
+A :class:`StreamingSession` is one conversation: its system prompt's prefill (a
+:class:`~nvchat_torch.timeline.Timeline` at batch 1), then each 1280-sample frame as the one row of
+a :class:`~nvchat_torch.frame_step.FrameStep` (streaming log-mel -> one FastConformer frame ->
+projection; RNNT step; fused LLM input -> greedy text and function ids; EAR-TTS step -> 31 codes;
+codec step -> 1764 samples), the same frame path the batched engine's rows take; and its host side:
+the detokenizers, the tool channel, the limits and the events. A frame costs one host read (plus one
+per stage when profiling).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -18,7 +19,6 @@ import numpy as np
 import torch
 
 from .audio_io import as_mono_float32, prepare_input
-from .diagnostics import synchronize
 from .events import (
     ContextLimit,
     FrameTiming,
@@ -28,10 +28,9 @@ from .events import (
     VoiceChatProfile,
     VoiceChatResult,
 )
-from .layers import REDUCED
-from .language_heads import fused_input, language_heads
-from .nemotron_h import SSD_CHUNK
+from .frame_step import FrameInput, FrameStep
 from .rnnt import TranscriptText
+from .timeline import Timeline
 from .tools import ToolChannel, render_system_prompt
 
 if TYPE_CHECKING:
@@ -43,106 +42,6 @@ AudioInput = Union[np.ndarray, torch.Tensor, Sequence[float], Sequence[int]]
 
 __all__ = ["StreamingSession", "generate_offline"]
 
-PREFILL_CHUNK = SSD_CHUNK  # prompt positions per LLM call of the prefill: one piece of a deferred prefill
-
-
-class _Timeline:
-    """What the offline and streaming paths share: the LLM and TTS timeline from caller-owned caches."""
-
-    def __init__(self, model: VoiceChatNetworks, seed: int, deterministic: bool, use_language_cache: bool) -> None:
-        self.model = model
-        self.config = cfg = model.config
-        self.device = model.device
-        self.deterministic = deterministic
-        stt = model.stt_model
-        self.embed, self.llm = stt.embed_tokens, stt.llm
-        self.heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
-        self.language_cache = stt.llm.new_cache() if use_language_cache else None
-        self.history: list[torch.Tensor] = []
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-        # Seeded before the warmup, as the reference; the warmup itself draws nothing.
-        self.tts_cache, self.previous_code = model.tts_model.start(model.tts_prompt())
-        self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
-        self.prev_text = self.prev_function = self.pad
-        self.silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
-        self.index = 0  # timeline position (prompt steps included)
-        self.last_hidden: torch.Tensor | None = None
-
-    def prompt_ids(self, system_prompt: str | None) -> list[int]:
-        text = self.config.default_system_prompt if system_prompt is None else system_prompt
-        if not text.strip():
-            return []
-        cfg = self.config
-        return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
-
-    def prefill(self, user: torch.Tensor) -> None:
-        """The whole prompt prefill at once (:meth:`prefill_pieces`, run to its end)."""
-        for _ in self.prefill_pieces(user):
-            pass
-
-    def prefill_pieces(self, user: torch.Tensor) -> Iterator[bool]:
-        """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD), one
-        piece of work per ``next``: the LLM over the prompt in calls of ``PREFILL_CHUNK`` positions (its
-        inputs do not depend on its outputs; the SSD scan runs those same chunks in one call, so the
-        split changes nothing), then the TTS steps one by one as the reference runs them (text PAD;
-        position 0 runs no TTS). Each ``next`` yields whether more pieces follow, so a caller (the
-        engine's deferred prefill) can spread a long prompt over many frames of other sessions."""
-        n = user.shape[1]
-        if not n:
-            return
-        pad = self.pad.expand(1, n)
-        fused = fused_input(self.embed, pad, user, pad, self.config.function_channel_weight)
-        if self.language_cache is not None and fused.dtype in REDUCED:
-            # bf16 prompt embeddings (a bf16 checkpoint): the reference steps its bf16 prefill one token
-            # at a time, and a chunked scan would round differently, so step as it does.
-            for t in range(n):
-                hidden = self.llm.forward_step(fused[:, t:t + 1], self.language_cache)
-                yield True
-        elif self.language_cache is not None:
-            for start in range(0, n, PREFILL_CHUNK):
-                hidden = self.llm(fused[:, start:start + PREFILL_CHUNK], self.language_cache)
-                yield True
-        else:
-            self.history.append(fused)
-            hidden = self.llm(torch.cat(self.history, dim=1))
-            yield True
-        self.last_hidden = hidden[:, -1:]
-        self.prev_text = self.prev_function = self.pad
-        for t in range(n):
-            self.speech(self.pad.view(1))
-            yield t + 1 < n
-
-    def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
-        """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""
-        fused = fused_input(self.embed, self.prev_text, user, self.prev_function,
-                            self.config.function_channel_weight)
-        if self.language_cache is not None:
-            hidden = self.llm.forward_step(fused, self.language_cache)
-        else:  # diagnostic: recompute the whole history every step
-            self.history.append(fused)
-            hidden = self.llm(torch.cat(self.history, dim=1))[:, -1:]
-        self.last_hidden = hidden  # for diagnostics (nvchat_torch.parity); no host read
-        if not generate:
-            self.prev_text = self.prev_function = self.pad
-            return None
-        ids = language_heads(hidden, *self.heads).ids.view(2)
-        self.prev_text, self.prev_function = ids[0].view(1, 1), ids[1].view(1, 1)
-        return ids
-
-    def speech(self, text_id: torch.Tensor) -> torch.Tensor:
-        """One TTS step for this timeline position's text id ``[1]``: codes ``[1, 1, Q]``. Position 0
-        runs no TTS and gives the silence codes; EOS resets the previous codes to silence first."""
-        if self.index == 0:
-            codes = self.silence
-        else:
-            self.previous_code = self.model.tts_model.step(self.previous_code, text_id, self.tts_cache,
-                                                           self.generator, self.deterministic)
-            codes = self.previous_code
-        self.index += 1
-        return codes
-
-
 class StreamingSession:
     """One full-duplex conversation: push 16 kHz audio, get frame-aligned events back.
 
@@ -150,9 +49,12 @@ class StreamingSession:
     (log-mel, Conformer, RNNT, LLM, TTS, codec), so several sessions can share one model.
     """
 
-    def __init__(self, model: VoiceChatNetworks, options: StreamingOptions, *, prefill: bool = True) -> None:
+    def __init__(self, model: VoiceChatNetworks, options: StreamingOptions, *, prefill: bool = True,
+                 own_frames: bool = True) -> None:
         """``prefill=False`` defers the system prompt's prefill: :meth:`prefill_step` runs it a piece at a
-        time (the engine spreads it over other sessions' frames); the first audio completes it."""
+        time (the engine spreads it over other sessions' frames); the first audio completes it.
+        ``own_frames=False``: the frames run as a row of someone else's FrameStep (the batched engine's),
+        which takes the prefilled timeline; this session is then its host side only."""
         self.model = model
         self.options = options
         cfg = self.config = model.config
@@ -163,23 +65,16 @@ class StreamingSession:
         self.last_ids: tuple[int, int] | None = None  # the latest frame's (text, function) token ids
         self.profile = VoiceChatProfile(frame_duration_ms=cfg.frame_duration * 1000.0)
         self._pending = np.zeros(0, dtype=np.float32)
-        perception = model.stt_model.perception
-        self._perception = perception
-        self._transcriber = model.transcriber
         # Tool calls parsed from the function channel, and ids forced into either output channel.
         self._tools = ToolChannel(model.tokenizer, options.tools, pad_id=cfg.pad_token_id,
                                   vocab_size=cfg.text_config.vocab_size, device=model.device)
         with torch.inference_mode():
-            self._timeline = _Timeline(model, options.seed, options.deterministic, options.use_language_cache)
-            if options.use_perception_cache:
-                self._mel_cache = perception.log_mel.new_cache()
-                self._conformer_cache = perception.new_cache()
-            else:
-                window = perception.uncached_window_frames * self.frame_samples
-                self._audio_window = torch.zeros(0, dtype=torch.float32, device=model.device)
-                self._window_samples = window
-            self._rnnt_state = self._transcriber.new_state()
-            self._codec_cache = model.tts_model.audio_codec.new_cache()
+            self._timeline = Timeline(model, options.seed, options.deterministic, options.use_language_cache)
+            self._rnnt_state = model.transcriber.new_state()
+            # The one row this session's frames run in (joined once the prompt is prefilled).
+            self._frames = FrameStep(model, perception_cache=options.use_perception_cache,
+                                     language_cache=options.use_language_cache) if own_frames else None
+            self._slot: int | None = None
             prompt = self._timeline.prompt_ids(_prompt_text(options.system_prompt, options.tools))
             # The model's own limit: every LLM position (prompt and frames) within max_position_embeddings,
             # and the TTS positions (speaker prompt + the same timeline) within the rotary tables built at load.
@@ -200,6 +95,8 @@ class StreamingSession:
                     self._timeline.embed(torch.tensor([prompt], device=model.device)))
                 if prefill:
                     self._finish_prefill()
+            else:
+                self._join()
         skip = {cfg.pad_token_id, cfg.silence_token_id, cfg.bos_token_id, cfg.eos_token_id}
         self._text = TokenAccumulator(model.tokenizer, skip)
         self._function = TokenAccumulator(model.tokenizer, skip)
@@ -218,7 +115,13 @@ class StreamingSession:
             with torch.inference_mode():
                 if not next(self._prefill, False):
                     self._prefill = None
+                    self._join()
         return self._prefill is None
+
+    def _join(self) -> None:
+        """The prefilled timeline's caches move into this session's row (if it runs its own frames)."""
+        if self._frames is not None:
+            self._slot = self._frames.join(self._timeline, self._rnnt_state)
 
     def _finish_prefill(self) -> None:
         while not self.prefill_step():
@@ -247,10 +150,12 @@ class StreamingSession:
         return self.max_frames * self.config.frame_duration
 
     def cache_bytes(self) -> dict[str, int]:
-        """Bytes the session's caches hold: the two that grow with the session (LLM, TTS) and the rest."""
+        """Bytes the two caches that grow with the session hold (LLM, TTS)."""
+        if self._slot is not None:
+            return self._frames.cache_bytes()
         timeline = self._timeline
         language = timeline.language_cache.nbytes if timeline.language_cache is not None else 0
-        return {"language": language, "tts": timeline.tts_cache.nbytes}
+        return {"language": language, "tts": timeline.tts_cache.nbytes if timeline.tts_cache is not None else 0}
 
     # ---- input
     def push_audio(self, samples: AudioInput, sample_rate: int = 16000) -> list[VoiceChatEvent]:
@@ -270,9 +175,8 @@ class StreamingSession:
         self._pending = pending[n_frames * self.frame_samples:].copy()
         if not n_frames:
             return []
-        frames = torch.from_numpy(pending[:n_frames * self.frame_samples]).to(self.model.device)
         events: list[VoiceChatEvent] = []
-        for frame in frames.view(n_frames, self.frame_samples):
+        for frame in pending[:n_frames * self.frame_samples].reshape(n_frames, self.frame_samples):
             try:
                 events += self._step(frame)
             except ContextLimit as limit:
@@ -292,7 +196,7 @@ class StreamingSession:
             frame = np.zeros(self.frame_samples, dtype=np.float32)
             frame[:self._pending.size] = self._pending
             self._pending = np.zeros(0, dtype=np.float32)
-            events += self._step(torch.from_numpy(frame).to(self.model.device))
+            events += self._step(frame)
         self._close()
         events += self.final_events()
         events.append(VoiceChatEvent(kind="done", frame_index=self.frame_index))
@@ -340,8 +244,9 @@ class StreamingSession:
 
     def _close(self) -> None:
         self._pending = np.zeros(0, dtype=np.float32)
-        with torch.inference_mode():  # the caches are inference tensors
-            self._codec_cache.clear()
+        if self._slot is not None:  # the row's caches are released
+            self._frames.leave(self._slot)
+            self._slot = None
         self.closed = True
 
     def _check_usable(self, call: str) -> None:
@@ -350,7 +255,7 @@ class StreamingSession:
                                f"{type(self._failure).__name__}: {self._failure}; create a new one") from self._failure
 
     # ---- the frame loop
-    def _step(self, frame: torch.Tensor) -> list[VoiceChatEvent]:
+    def _step(self, frame: np.ndarray) -> list[VoiceChatEvent]:
         """One frame, or ContextLimit before it (nothing changes); a failure inside closes the session,
         as its caches may be partly advanced."""
         if self.frame_index >= self.max_frames:
@@ -371,49 +276,16 @@ class StreamingSession:
                 self.closed = True
             raise
 
-    def _audio_frame(self, frame: torch.Tensor) -> list[VoiceChatEvent]:
-        profile = self.options.profile
-        device = self.model.device
-        stamps = [time.perf_counter()]
-
-        def mark() -> None:
-            if profile:
-                synchronize(device)
-                stamps.append(time.perf_counter())
-
-        with torch.inference_mode():
-            if self.options.use_perception_cache:
-                mel = self._perception.log_mel.forward_step(frame, self._mel_cache)
-                projected, encoded = self._perception.forward_step(mel, self._conformer_cache)
-            else:
-                self._audio_window = torch.cat([self._audio_window, frame])[-self._window_samples:]
-                projected, encoded = self._perception.uncached_frame(self._audio_window)
-            mark()
-            transcript_ids = self._transcriber.step(encoded, self._rnnt_state)
-            mark()
-            ids = self._timeline.language(projected, generate=True)
-            if self._tools.forcing:  # force_tokens / a tool result: queued ids replace the outputs, on the device
-                ids = self._tools.apply(ids)
-                self._timeline.prev_text, self._timeline.prev_function = ids[0].view(1, 1), ids[1].view(1, 1)
-            mark()
-            codes = self._timeline.speech(ids[:1])
-            mark()
-            clean = self.model.tts_model.replace_control_codes(codes)
-            samples = self.model.tts_model.audio_codec.decode_step(clean.transpose(1, 2), self._codec_cache)
-            if samples.shape[-1] != self.config.output_frame_samples:
-                raise RuntimeError(f"the codec returned {samples.shape[-1]} samples for one frame, "
-                                   f"expected {self.config.output_frame_samples}")
-            # One host read per frame: transcript ids, text/function ids, codes and samples together
-            # (ids < 2**24 are exact in float32).
-            ints = torch.cat([transcript_ids, ids, clean.reshape(-1)])
-            packed = torch.cat([ints.float(), samples.reshape(-1).float()]).numpy(force=True)
-        stamps.append(time.perf_counter())
-        events = self._frame_events(packed)
-        if profile:
+    def _audio_frame(self, frame: np.ndarray) -> list[VoiceChatEvent]:
+        generator = None if self.options.deterministic else self._timeline.generator
+        packed, stamps = self._frames.run({self._slot: FrameInput(frame, generator, self._tools)}, self.options.profile)
+        events = self._frame_events(packed[self._slot])
+        if self.options.profile:
             p, r, lm, tts, codec = np.diff(stamps) * 1000.0
             self.profile.frames.append(FrameTiming(self.frame_index, p, r, lm, tts, codec,
                                                    (stamps[-1] - stamps[0]) * 1000.0))
         self.frame_index += 1
+        self._timeline.index += 1
         return events
 
     def _frame_events(self, packed: np.ndarray) -> list[VoiceChatEvent]:
@@ -481,7 +353,7 @@ def generate_offline(model: VoiceChatNetworks, audio: AudioInput | str | Path, *
         projected, encoded = perception(mel)
         frames = projected.shape[1] if max_frames is None else min(projected.shape[1], max_frames)
         projected, encoded = projected[:, :frames], encoded[:, :frames]
-        timeline = _Timeline(model, seed, deterministic, use_language_cache)
+        timeline = Timeline(model, seed, deterministic, use_language_cache)
         prompt = timeline.prompt_ids(_prompt_text(system_prompt, tools))
         if prompt:
             timeline.prefill(model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype))

@@ -12,6 +12,7 @@ import nvchat_torch as nv
 from mlx_oracle import synth_audio
 from nvchat_torch import ContextLimit, StreamingOptions
 from nvchat_torch.diagnostics import OpCounter, count_host_reads
+from nvchat_torch.timeline import Timeline
 from test_layouts import LAYOUTS, MIN_SNR_DB, snr_db
 from test_session import PROMPT, TEXT_CHANNELS, channel, run_reference_stream
 
@@ -289,28 +290,33 @@ def test_forced_tokens_apply_to_their_row_only(tiny, waves):
 
 def test_rows_keep_the_key_dtype_the_reference_keeps(make_checkpoint, waves):
     """On the bf16 card the prompt's keys are bf16, and the reference stores the frames' keys in that
-    bf16 buffer until its next 256-slot block: the engine's float32 rows hold them rounded, as the
-    session's bf16 cache does."""
+    bf16 buffer until its next 256-slot block: the float32 rows hold them rounded (a prompt-less row
+    does not), in the engine as in a session alone (the same row)."""
     model = nv.load_model(make_checkpoint(seed=0, **LAYOUTS["bf16"]), device="cpu")
     engine = model.create_engine(max_sessions=2)
     other = engine.open(system_prompt="", deterministic=True)  # no prompt: float32 keys from the start
     mine = engine.open(system_prompt=PROMPT, deterministic=True)
     session = model.create_streaming_session(system_prompt=PROMPT, deterministic=True)
+    timeline = Timeline(model, seed=0, deterministic=True, use_language_cache=True)
+    with torch.inference_mode():
+        timeline.prefill(timeline.embed(torch.tensor([timeline.prompt_ids(PROMPT)])))
+    prompt_kv = [c for c in timeline.language_cache.layers if isinstance(c, nv.nemotron_h.KVCache)]
+    assert prompt_kv and all(c.keys.dtype == torch.bfloat16 for c in prompt_kv)  # as the reference's prefill
     for h in (mine, other):
         h.push_audio(waves[0][:4 * FRAME], 16000)
     while mine.pending_frames:
         engine.step()
     session.push_audio(waves[0][:4 * FRAME], 16000)
-    caches = [(c, s) for c, s in zip(engine._language.layers, session._timeline.language_cache.layers)
-              if isinstance(s, nv.nemotron_h.KVCache)]
-    assert caches and all(s.keys.dtype == torch.bfloat16 for _, s in caches)
-    for ours, theirs in caches:
-        end = mine.llm_position
-        assert end == theirs.offset
+    rows = engine._frames.rows
+    caches = [(c, s) for c, s in zip(engine._frames._language.layers, session._frames._language.layers)
+              if isinstance(c, nv.nemotron_h.KVCache)]
+    for ours, alone in caches:
+        end = rows[mine.slot].llm_position
+        assert end == session._frames.rows[0].llm_position == 4 + session.timeline_index - session.frame_index
         held = ours.keys[mine.slot, :, :end]
         assert held.dtype == torch.float32 and torch.equal(held, held.bfloat16().float())
-        torch.testing.assert_close(held, theirs.keys[0, :, :end].float(), rtol=1e-2, atol=1e-3)
-        new = ours.keys[other.slot, :, :other.llm_position]
+        assert torch.equal(held, alone.keys[0, :, :end])
+        new = ours.keys[other.slot, :, :rows[other.slot].llm_position]
         assert not torch.equal(new, new.bfloat16().float())  # the prompt-less row keeps float32 keys
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nvchat_torch as nv
+import nvchat_torch.timeline as timeline_module
 from mlx_oracle import synth_audio
 from test_session import as_reference_shows
 from nvchat_torch.config import VoiceChatConfig
@@ -176,22 +177,17 @@ def test_a_shorter_max_streaming_seconds_wins(tiny):
 # ---- chunked prefill: one LLM call, the stepwise result
 
 
-def test_chunked_prefill_equals_the_stepwise_prefill(tiny):
-    session = tiny.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT * 12, deterministic=True))
-    timeline = session._timeline
-    assert session.timeline_index > 256  # past a KV block and an SSD chunk
-    stepwise = tiny.create_streaming_session(nv.StreamingOptions(system_prompt="", deterministic=True))
-    other = stepwise._timeline
-    with torch.inference_mode():
-        ids = timeline.prompt_ids(PROMPT * 12)
-        for token in ids:
-            other.language(other.embed(torch.tensor([[token]])), generate=False)
-            other.speech(other.pad.view(1))
-        torch.testing.assert_close(timeline.last_hidden, other.last_hidden, atol=1e-4, rtol=1e-4)
-        for a, b in zip(timeline.language_cache.layers, other.language_cache.layers):
-            if a is not None and hasattr(a, "ssm_state"):
-                torch.testing.assert_close(a.ssm_state, b.ssm_state, atol=1e-4, rtol=1e-4)
-    assert timeline.index == other.index == len(ids) and timeline.tts_cache.offset == other.tts_cache.offset
+def test_chunked_prefill_equals_the_stepwise_prefill(tiny, monkeypatch):
+    options = nv.StreamingOptions(system_prompt=PROMPT * 12, deterministic=True)
+    session = tiny.create_streaming_session(options)
+    monkeypatch.setattr(timeline_module, "PREFILL_CHUNK", 1)  # one LLM step per prompt position
+    stepwise = tiny.create_streaming_session(options)
+    assert session.timeline_index == stepwise.timeline_index > 256  # past a KV block and an SSD chunk
+    torch.testing.assert_close(session._timeline.last_hidden, stepwise._timeline.last_hidden, atol=1e-4, rtol=1e-4)
+    for a, b in zip(session._frames._language.layers, stepwise._frames._language.layers):
+        if a is not None and hasattr(a, "ssm_state"):
+            torch.testing.assert_close(a.ssm_state, b.ssm_state, atol=1e-4, rtol=1e-4)
+    assert session._frames.rows[0] == stepwise._frames.rows[0]  # the same LLM and TTS positions
     wave = synth_audio(1.2, seed=5)
     ours, steps = session.push_audio(wave, 16000), stepwise.push_audio(wave, 16000)
     assert [(e.kind, e.frame_index, e.token_id, e.text) for e in ours] == \
@@ -220,16 +216,16 @@ def test_long_prompt_session_matches_the_reference(ckpt_f32, reference):
 def test_a_failed_frame_closes_the_session_naming_the_failure(tiny):
     wave = synth_audio(0.8)
     session = tiny.create_streaming_session(nv.StreamingOptions(deterministic=True))
-    speech = session._timeline.speech
+    language_step = session._frames._language_step
     calls = []
 
-    def failing(text_id):
+    def failing(*args):  # mid-frame: perception and the RNNT have advanced
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("the device went away")
-        return speech(text_id)
+        return language_step(*args)
 
-    session._timeline.speech = failing
+    session._frames._language_step = failing
     with pytest.raises(RuntimeError, match="the device went away"):
         session.push_audio(wave, 16000)
     assert session.closed

@@ -290,7 +290,8 @@ def test_forced_call_then_result_injection(model, wave):
     prev_function = []
     for _ in response:
         drive.frames(1)
-        prev_function.append(int(drive.session._timeline.prev_function))  # the next frame's function input
+        frames = drive.session._frames  # the next frame's function input, on the device
+        prev_function.append(int(frames._ids[drive.session._slot, 1]))
     after = drive.frames(3)
     # exactly the tokenised <TOOL_RESPONSE> text, one token per frame, fed back as the next input
     assert channel(drive.events, "function_delta", inject) == list(zip(inject, response))

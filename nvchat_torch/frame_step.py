@@ -1,0 +1,325 @@
+"""The one frame path: an 80 ms frame for every row of a batch, as one pass through log-mel,
+Conformer, RNNT, LLM, TTS and codec.
+
+:class:`FrameStep` holds the streaming caches of its rows (one row per conversation; two in the TTS,
+its conditional and unconditional rows) and where each row stands. A :class:`StreamingSession` drives
+one with one row, :class:`~nvchat_torch.engine.BatchEngine` one with a row per session: the same
+networks' ``forward_step`` on the same caches, so a session alone and a row of the engine compute the
+same thing.
+
+Rows step with their own ring slots, RoPE positions and masks. A row without a frame this step
+computes too and is then put back (its recurrent state restored, its positions not advanced; what it
+wrote to a key/value or ring slot is past its position and is overwritten before it is read). A row
+joins with the caches of its prompt prefill (:meth:`FrameStep.join`), which the
+:class:`~nvchat_torch.session.Timeline` ran at batch 1 exactly as the reference does.
+
+Everything stays on the device: ids and codes feed the next step there, and a step's outputs are
+packed into one tensor that is read once (plus one sync per stage when profiling).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .diagnostics import synchronize
+from .gemma import TTSRows
+from .language_heads import fused_input, language_heads
+from .nemotron_h import KVCache, LanguageRows, MambaCache
+from .rnnt import RnntState
+
+if TYPE_CHECKING:
+    from .networks import VoiceChatNetworks
+    from .timeline import Timeline
+    from .tools import ToolChannel
+
+__all__ = ["FrameStep", "FrameInput", "RowState"]
+
+# A place a tensor lives: (object, attribute name) or (list, index).
+_Ref = tuple[Any, Any]
+
+
+def _get(ref: _Ref) -> torch.Tensor:
+    holder, key = ref
+    return holder[key] if isinstance(key, int) else getattr(holder, key)
+
+
+def _set(ref: _Ref, value: torch.Tensor) -> None:
+    holder, key = ref
+    if isinstance(key, int):
+        holder[key] = value
+    else:
+        setattr(holder, key, value)
+
+
+@dataclass
+class FrameInput:
+    """One row's frame: 16 kHz samples ``[1280]``, the row's generator (None: the deterministic mode),
+    and its tool channel when it forces ids (tool results, ``force_tokens``)."""
+
+    samples: np.ndarray
+    generator: torch.Generator | None = None
+    tools: ToolChannel | None = None
+
+
+@dataclass
+class RowState:
+    """Where a row stands: frames run (its log-mel and Conformer stream position), the next LLM and TTS
+    positions (prompt and speaker warmup included), the timeline index (prompt steps included; index 0
+    runs no TTS), and the LLM positions below which its keys are still stored in bf16 (a bf16 prompt's
+    cache, which the reference keeps until its next 256-slot block: see ``LanguageRows``)."""
+
+    frame_index: int = 0
+    llm_position: int = 0
+    tts_position: int = 0
+    timeline_index: int = 0
+    round_keys_until: int = 0
+
+
+class FrameStep:
+    """The batched caches of up to any number of rows and the pass that steps them (see the module doc).
+
+    ``perception_cache=False`` / ``language_cache=False``: the reference's cache-free diagnostics (the
+    encoder over a window of recent audio; the LLM over the whole history every frame), for one row.
+    """
+
+    def __init__(self, model: VoiceChatNetworks, *, perception_cache: bool = True, language_cache: bool = True) -> None:
+        self.model = model
+        self.config = cfg = model.config
+        self.device = model.device
+        self.perception_cache, self.language_cache = perception_cache, language_cache
+        stt = model.stt_model
+        self._perception = stt.perception
+        self._transcriber = model.transcriber
+        self._embed, self._llm = stt.embed_tokens, stt.llm
+        self._heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
+        self._speech = model.tts_model
+        self._codec = model.tts_model.audio_codec
+        self.rows: list[RowState | None] = []  # by slot; None: a free slot
+        # The cache-free diagnostics (one row): the audio window, and the LLM inputs so far.
+        self._window_samples = self._perception.uncached_window_frames * cfg.input_frame_samples
+        self._audio_window = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._history: list[torch.Tensor] = []
+        with torch.inference_mode():
+            self._silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
+            self._start_hc = self._transcriber.new_state().hc
+            self._new_caches(0)
+
+    # ---- the caches: one row per slot (two in the TTS)
+    def _new_caches(self, batch: int) -> None:
+        perception, dtype = self._perception, self.model.dtype
+        self._mel = perception.log_mel.new_rows_cache(batch)
+        self._conformer = perception.new_rows_cache(batch)
+        self._rnnt = RnntState(self._start_hc.repeat(1, batch, 1))
+        self._language = self._llm.new_cache(batch, dtype=dtype)
+        self._ids = torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
+        self._tts = self._speech.tts_model.new_cache()
+        for buffers in (self._tts.keys, self._tts.values):
+            for i, t in enumerate(buffers):
+                buffers[i] = t.new_zeros(2 * batch, *t.shape[1:])
+        self._codes = self._silence.repeat(batch, 1, 1)
+        self._codec_cache = self._codec.new_cache(batch)
+
+    def _recurrent(self) -> list[tuple[_Ref, int, int]]:
+        """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
+        refs: list[tuple[_Ref, int, int]] = [((self._mel, "samples"), 0, 1), ((self._conformer, "mel"), 0, 1),
+                                            ((self._rnnt, "hc"), 1, 1), ((self, "_ids"), 0, 1),
+                                            ((self, "_codes"), 0, 1), ((self._codec_cache, "spectrum"), 0, 1)]
+        refs += [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
+        refs += [((c, "ssm_state"), 0, 1) for c in self._language.layers if isinstance(c, MambaCache)]
+        return refs
+
+    def _buffers(self) -> list[tuple[_Ref, int, int]]:
+        """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
+        refs = self._recurrent() + [((self._conformer, "kv"), 2, 1), ((self._conformer, "conv"), 1, 1)]
+        for c in self._language.layers:
+            if isinstance(c, MambaCache):
+                refs.append(((c, "conv_state"), 0, 1))
+            elif isinstance(c, KVCache):
+                refs += [((c, "keys"), 0, 1), ((c, "values"), 0, 1)]
+        for buffers in (self._tts.keys, self._tts.values):
+            refs += [((buffers, i), 0, 2) for i in range(len(buffers))]
+        return refs
+
+    def _resize(self, batch: int) -> None:
+        """``batch`` slots: rows added at the end (zeros), or the last ones dropped (freed)."""
+        for ref, axis, per in self._buffers():
+            t = _get(ref)
+            have = t.shape[axis] // per
+            if batch > have:
+                shape = list(t.shape)
+                shape[axis] = (batch - have) * per
+                t = torch.cat([t, t.new_zeros(shape)], dim=axis)
+            else:
+                t = t.narrow(axis, 0, batch * per).clone()
+            _set(ref, t)
+
+    @property
+    def batch(self) -> int:
+        """Rows in the caches (free slots below the last used one included)."""
+        return self._ids.shape[0]
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes the two caches that grow with a session hold (LLM, TTS), all rows."""
+        language = self._language.nbytes if self.language_cache else sum(t.nbytes for t in self._history)
+        return {"language": language, "tts": self._tts.nbytes}
+
+    # ---- rows
+    def join(self, timeline: Timeline, rnnt_state: RnntState) -> int:
+        """A row (the first free slot, or a new one) with a freshly prefilled timeline's caches, which move
+        into it: the timeline's own are dropped. Returns the slot."""
+        if not (self.perception_cache and self.language_cache) and self.rows:
+            raise ValueError("the cache-free diagnostics run one row")
+        slot = next((i for i, s in enumerate(self.rows) if s is None), len(self.rows))
+        with torch.inference_mode():
+            if slot == len(self.rows):
+                self._resize(slot + 1)
+                self.rows.append(None)
+            self.rows[slot] = self._adopt(slot, timeline, rnnt_state)
+        return slot
+
+    def _adopt(self, r: int, timeline: Timeline, rnnt_state: RnntState) -> RowState:
+        for ref, axis, per in self._buffers():
+            _get(ref).narrow(axis, r * per, per).zero_()
+        self._rnnt.hc[:, r] = rnnt_state.hc[:, 0]
+        self._ids[r] = self.config.pad_token_id
+        self._codes[r] = timeline.previous_code[0]
+        row = RowState(timeline_index=timeline.index)
+        language = timeline.language_cache
+        if language is None:  # the cache-free diagnostic: the LLM inputs so far
+            self._history = timeline.history
+            timeline.history = []
+        else:
+            row.llm_position = language.offset
+            for mine, theirs in zip(self._language.layers, language.layers):
+                if isinstance(mine, MambaCache):
+                    mine.conv_state[r] = theirs.conv_state[0]
+                    mine.ssm_state[r] = theirs.ssm_state[0]
+                elif isinstance(mine, KVCache):
+                    n = theirs.offset
+                    mine.reserve(n)
+                    mine.keys[r, :, :n] = theirs.keys[0, :, :n]
+                    mine.values[r, :, :n] = theirs.values[0, :, :n]
+                    if n and theirs.keys.dtype == torch.bfloat16 and mine.keys.dtype != torch.bfloat16:
+                        row.round_keys_until = theirs.blocks  # the reference stores bf16 until its next block
+        tts = timeline.tts_cache
+        row.tts_position = tts.offset
+        for layer in range(len(tts.keys)):
+            window = tts.windows[layer]
+            held = tts.offset if window is None else min(tts.offset, window)
+            self._tts._reserve(layer, held)
+            self._tts.keys[layer][2 * r:2 * r + 2, :, :held] = tts.keys[layer][:, :, :held]
+            self._tts.values[layer][2 * r:2 * r + 2, :, :held] = tts.values[layer][:, :, :held]
+        timeline.language_cache = timeline.tts_cache = None  # the row holds them now
+        return row
+
+    def leave(self, slot: int) -> None:
+        """Free ``slot``; trailing free slots are cut off (their rows freed), and with none left the
+        caches are empty."""
+        self.rows[slot] = None
+        while self.rows and self.rows[-1] is None:
+            self.rows.pop()
+        with torch.inference_mode():
+            if not self.rows:
+                self._new_caches(0)
+                self._audio_window = self._audio_window[:0]
+                self._history = []
+            elif len(self.rows) < self.batch:
+                self._resize(len(self.rows))
+
+    # ---- the step
+    def run(self, inputs: dict[int, FrameInput], profile: bool = False) -> tuple[np.ndarray, list[float]]:
+        """One frame for each slot in ``inputs``; the other rows sit out. Returns ``[batch, values]``: each
+        row's transcript ids, (text, function) ids, codes and samples, read from the device at once, and
+        the stage marks (``time.perf_counter()`` at the start and after perception, RNNT, LLM, TTS and
+        codec, each after a device sync when ``profile``; else the start and the end)."""
+        cfg, device, batch = self.config, self.device, self.batch
+        stamps = [time.perf_counter()]
+
+        def mark() -> None:
+            if profile:
+                synchronize(device)
+                stamps.append(time.perf_counter())
+
+        frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
+        # Per row: frame index, LLM position, TTS position, runs (0/1), runs the TTS, rounds its keys.
+        ints = np.zeros((6, batch), dtype=np.int64)
+        generators: list[torch.Generator | None] = [None] * batch
+        for r, row in enumerate(self.rows):
+            if row is None:
+                continue
+            ints[:3, r] = (row.frame_index, row.llm_position, row.tts_position)
+            given = inputs.get(r)
+            if given is None:  # sits out at its own positions: its writes land past them
+                continue
+            frames[r] = given.samples
+            tts_runs = row.timeline_index > 0  # timeline position 0 runs no TTS
+            ints[3:, r] = (1, tts_runs, row.llm_position < row.round_keys_until)
+            if tts_runs:
+                generators[r] = given.generator
+        everyone = len(inputs) == batch
+        deterministic: bool | torch.Tensor = all(g is None for g in generators)
+        with torch.inference_mode():
+            table = torch.from_numpy(ints).to(device)
+            frame_index, llm_pos, tts_pos = table[0], table[1], table[2]
+            runs, tts_runs, round_keys = table[3].bool(), table[4].bool(), table[5].bool()
+            if deterministic is False:
+                deterministic = torch.tensor([g is None for g in generators], device=device)
+            saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
+            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index)
+            mark()
+            transcript_ids = self._transcriber.step_rows(encoded, self._rnnt)  # [S, batch]
+            mark()
+            fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
+                                cfg.function_channel_weight)
+            hidden = self._language_step(fused, llm_pos, int(ints[1].max()) + 1, round_keys if ints[5].any() else None)
+            ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
+            for r, given in inputs.items():  # force_tokens / a tool result: queued ids replace this row's outputs
+                if given.tools is not None and given.tools.forcing:
+                    ids[r] = given.tools.apply(ids[r])
+            self._ids = ids
+            mark()
+            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), int(ints[2].max()) + 1,
+                                    self._speech.tts_model.backbone.window)
+            codes = self._speech.step(self._codes, ids[:, 0], self._tts, generators, deterministic, tts_rows)
+            codes = torch.where(tts_runs[:, None, None], codes, self._silence)
+            self._codes = torch.where(tts_runs[:, None, None], codes, self._codes)
+            mark()
+            clean = self._speech.replace_control_codes(codes)
+            samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
+            for ref, axis, per, before in saved:  # rows that sat out: as they were
+                keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
+                _set(ref, torch.where(keep, _get(ref), before))
+            # One host read for the whole batch (ids < 2**24 are exact in float32).
+            ints_out = torch.cat([transcript_ids.t(), ids, clean.view(batch, -1)], dim=1)
+            packed = torch.cat([ints_out.float(), samples.view(batch, -1).float()], dim=1).numpy(force=True)
+        stamps.append(time.perf_counter())
+        for r in inputs:
+            row = self.rows[r]
+            row.tts_position += int(row.timeline_index > 0)
+            row.llm_position += 1
+            row.frame_index += 1
+            row.timeline_index += 1
+        return packed, stamps
+
+    def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel and one Conformer frame per row: ``(projected [B, 1, H], encoded [B, 1, d])``."""
+        if not self.perception_cache:  # the reference's cache-free path: the encoder over recent audio
+            self._audio_window = torch.cat([self._audio_window, frames[0]])[-self._window_samples:]
+            return self._perception.uncached_frame(self._audio_window)
+        self._mel.frames = self._conformer.frames = frame_index
+        mel = self._perception.log_mel.forward_rows(frames, self._mel)
+        return self._perception.forward_rows(mel, self._conformer)
+
+    def _language_step(self, fused: torch.Tensor, positions: torch.Tensor, end: int,
+                       round_keys: torch.Tensor | None) -> torch.Tensor:
+        """One LLM position per row, each at its own position."""
+        if not self.language_cache:  # the cache-free diagnostic: the whole history every frame
+            self._history.append(fused)
+            return self._llm(torch.cat(self._history, dim=1))[:, -1:]
+        rows = LanguageRows.make(positions, end, self._llm.config.conv_kernel, round_keys)
+        return self._llm.forward_rows(fused, self._language, rows)

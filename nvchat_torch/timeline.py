@@ -1,0 +1,120 @@
+"""The LLM and TTS timeline of one conversation at batch 1, as the reference runs it: the system
+prompt's prefill (the prompt on the user channel, the output channels at PAD) and the offline turn's
+steps. A streaming session's frames then run as a row of a :class:`~nvchat_torch.frame_step.FrameStep`,
+which takes over the prefilled caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from .language_heads import fused_input, language_heads
+from .layers import REDUCED
+from .nemotron_h import SSD_CHUNK
+
+if TYPE_CHECKING:
+    from .networks import VoiceChatNetworks
+
+__all__ = ["Timeline", "PREFILL_CHUNK"]
+
+PREFILL_CHUNK = SSD_CHUNK  # prompt positions per LLM call of the prefill: one piece of a deferred prefill
+
+
+class Timeline:
+    """One conversation's LLM and TTS timeline at batch 1: the system prompt's prefill (which a streaming
+    session's row then takes over, see :meth:`FrameStep.join`) and the offline turn's steps."""
+
+    def __init__(self, model: VoiceChatNetworks, seed: int, deterministic: bool, use_language_cache: bool) -> None:
+        self.model = model
+        self.config = cfg = model.config
+        self.device = model.device
+        self.deterministic = deterministic
+        stt = model.stt_model
+        self.embed, self.llm = stt.embed_tokens, stt.llm
+        self.heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
+        self.language_cache = stt.llm.new_cache() if use_language_cache else None
+        self.history: list[torch.Tensor] = []
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        # Seeded before the warmup, as the reference; the warmup itself draws nothing.
+        self.tts_cache, self.previous_code = model.tts_model.start(model.tts_prompt())
+        self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
+        self.prev_text = self.prev_function = self.pad
+        self.silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
+        self.index = 0  # timeline position (prompt steps included)
+        self.last_hidden: torch.Tensor | None = None
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        text = self.config.default_system_prompt if system_prompt is None else system_prompt
+        if not text.strip():
+            return []
+        cfg = self.config
+        return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
+
+    def prefill(self, user: torch.Tensor) -> None:
+        """The whole prompt prefill at once (:meth:`prefill_pieces`, run to its end)."""
+        for _ in self.prefill_pieces(user):
+            pass
+
+    def prefill_pieces(self, user: torch.Tensor) -> Iterator[bool]:
+        """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD), one
+        piece of work per ``next``: the LLM over the prompt in calls of ``PREFILL_CHUNK`` positions (its
+        inputs do not depend on its outputs; the SSD scan runs those same chunks in one call, so the
+        split changes nothing), then the TTS steps one by one as the reference runs them (text PAD;
+        position 0 runs no TTS). Each ``next`` yields whether more pieces follow, so a caller (the
+        engine's deferred prefill) can spread a long prompt over many frames of other sessions."""
+        n = user.shape[1]
+        if not n:
+            return
+        pad = self.pad.expand(1, n)
+        fused = fused_input(self.embed, pad, user, pad, self.config.function_channel_weight)
+        if self.language_cache is not None and fused.dtype in REDUCED:
+            # bf16 prompt embeddings (a bf16 checkpoint): the reference steps its bf16 prefill one token
+            # at a time, and a chunked scan would round differently, so step as it does.
+            for t in range(n):
+                hidden = self.llm.forward_step(fused[:, t:t + 1], self.language_cache)
+                yield True
+        elif self.language_cache is not None:
+            for start in range(0, n, PREFILL_CHUNK):
+                hidden = self.llm(fused[:, start:start + PREFILL_CHUNK], self.language_cache)
+                yield True
+        else:
+            self.history.append(fused)
+            hidden = self.llm(torch.cat(self.history, dim=1))
+            yield True
+        self.last_hidden = hidden[:, -1:]
+        self.prev_text = self.prev_function = self.pad
+        for t in range(n):
+            self.speech(self.pad.view(1))
+            yield t + 1 < n
+
+    def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
+        """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""
+        fused = fused_input(self.embed, self.prev_text, user, self.prev_function,
+                            self.config.function_channel_weight)
+        if self.language_cache is not None:
+            hidden = self.llm.forward_step(fused, self.language_cache)
+        else:  # diagnostic: recompute the whole history every step
+            self.history.append(fused)
+            hidden = self.llm(torch.cat(self.history, dim=1))[:, -1:]
+        self.last_hidden = hidden  # for diagnostics (nvchat_torch.parity); no host read
+        if not generate:
+            self.prev_text = self.prev_function = self.pad
+            return None
+        ids = language_heads(hidden, *self.heads).ids.view(2)
+        self.prev_text, self.prev_function = ids[0].view(1, 1), ids[1].view(1, 1)
+        return ids
+
+    def speech(self, text_id: torch.Tensor) -> torch.Tensor:
+        """One TTS step for this timeline position's text id ``[1]``: codes ``[1, 1, Q]``. Position 0
+        runs no TTS and gives the silence codes; EOS resets the previous codes to silence first."""
+        if self.index == 0:
+            codes = self.silence
+        else:
+            self.previous_code = self.model.tts_model.step(self.previous_code, text_id, self.tts_cache,
+                                                           self.generator, self.deterministic)
+            codes = self.previous_code
+        self.index += 1
+        return codes
