@@ -5,8 +5,8 @@ depthwise-striding subsampling (x8), macaron Conformer blocks with relative-posi
 attention limited to ``left`` past frames (no look-ahead) and a causal depthwise convolution.
 
 Offline (:meth:`FastConformer.forward`) runs a whole mel sequence with the ``chunked_limited``
-mask. Streaming (:meth:`FastConformer.forward_step`) takes the log-mel front end's 1, 8, 8, ...
-frame cadence and emits one encoder frame per call, equal to the offline frame of the same
+mask. Streaming (:meth:`FastConformer.forward_step`) takes each stream's 8 mel frames of an 80 ms
+frame (its first: 1) and emits one encoder frame per stream, equal to the offline frame of the same
 index: each layer keeps the keys/values of its last ``left`` frames (a ring buffer, written in
 place) and the GLU outputs of its convolution's last ``kernel`` frames, and the subsampling keeps a
 small window of mel frames.
@@ -98,16 +98,6 @@ class RelPositionAttention(nn.Module):
         return (q + self.pos_bias_u.flatten(), q + self.pos_bias_v.flatten(),
                 torch.cat([self.linear_k(x), self.linear_v(x)], dim=-1))
 
-    def position_scores(self, q_v: torch.Tensor, slot: int, length: int, stream_pos: torch.Tensor) -> torch.Tensor:
-        """The position term of a step's scores, ``[H, 1, length]``, for ``q_v`` ``[H, 1, hd]``.
-
-        ``stream_pos`` [W, d] is the encoder's streaming distance table (pre-multiplied by the score
-        scale); rolled by ``slot`` it gives each ring slot the distance of the frame it holds.
-        ``(q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s``: the query is projected, not the window."""
-        pos = torch.roll(stream_pos, slot, dims=0)[:length].to(q_v.dtype)
-        w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1)
-        return torch.bmm(q_v, w_pos.to(q_v.dtype)) @ pos.T
-
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; pos_emb [2T-1, d] for positions T-1 ... -(T-1); mask additive [T, T]."""
         b, t, d = x.shape
@@ -125,37 +115,25 @@ class RelPositionAttention(nn.Module):
         out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=self.scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, t, d))
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, slot: int, length: int,
-                     stream_pos: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """One frame x [1, 1, d] against the cached window.
+    def position_scores(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
+        """The position term of a step's scores per row, ``[B, H, 1, W]``, for ``q_v [B, H, 1, hd]``.
 
-        ``kv`` [2, H, W, hd] is this layer's key/value ring buffer; the new frame is written at
-        ``slot`` and slots ``[:length]`` are attended (see :meth:`position_scores` for ``stream_pos``).
-        Returns ``residual + attention(x)``.
-        """
-        q_u, q_v, kv_new = self.project(x)
-        kv[:, :, slot] = kv_new.view(2, self.n_heads, self.head_dim)
-        q_v = q_v.view(self.n_heads, 1, self.head_dim)
-        bias = self.position_scores(q_v, slot, length, stream_pos)  # [H, 1, length]
-        out = F.scaled_dot_product_attention(q_u.view(self.n_heads, 1, self.head_dim), kv[0, :, :length],
-                                             kv[1, :, :length], attn_mask=bias, scale=self.scale)
-        return add_linear(residual, self.linear_out, out.reshape(1, 1, -1))
-
-    def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
-        """:meth:`position_scores` per row: ``q_v [B, H, 1, hd]``, ``columns [B, W]`` each row's ring
-        slots' rows of ``stream_pos`` -> ``[B, H, 1, W]``."""
+        ``stream_pos`` [W, d] is the encoder's streaming distance table (pre-multiplied by the score
+        scale); ``columns [B, W]`` picks for each row's ring slots the distance of the frame each holds.
+        ``(q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s``: the query is projected, not the window."""
         w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1).to(q_v.dtype)
         return torch.matmul(q_v, w_pos) @ stream_pos[columns].to(q_v.dtype).transpose(1, 2)[:, None]
 
-    def forward_rows(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", stream_pos: torch.Tensor,
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", stream_pos: torch.Tensor,
                      residual: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward_step` for ``B`` streams at their own frames: ``x [B, 1, d]``, ``kv [2, B, H, W, hd]``;
-        each row writes its slot and attends its filled slots (``rows``)."""
+        """One frame per stream, each at its own: ``x [B, 1, d]`` against the cached window ``kv [2, B, H,
+        W, hd]`` (this layer's key/value ring); each row writes its slot and attends its filled slots
+        (``rows``). Returns ``residual + attention(x)``."""
         b = x.shape[0]
         q_u, q_v, kv_new = self.project(x)
         kv[:, rows.batch, :, rows.slot] = kv_new.view(b, 2, self.n_heads, self.head_dim)
         q_v = q_v.view(b, self.n_heads, 1, self.head_dim)
-        bias = self.position_scores_rows(q_v, rows.columns, stream_pos) + rows.mask.to(q_v.dtype)
+        bias = self.position_scores(q_v, rows.columns, stream_pos) + rows.mask.to(q_v.dtype)
         out = F.scaled_dot_product_attention(q_u.view(b, self.n_heads, 1, self.head_dim), kv[0], kv[1],
                                              attn_mask=bias, scale=self.scale)
         return add_linear(residual, self.linear_out, out.reshape(b, 1, -1))
@@ -185,11 +163,7 @@ class FusedRelPositionAttention(RelPositionAttention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear_quvkv(x).split([self.d_model, self.d_model, 2 * self.d_model], dim=-1)
 
-    def position_scores(self, q_v: torch.Tensor, slot: int, length: int, stream_pos: torch.Tensor) -> torch.Tensor:
-        window = self.pos_table.shape[-1] // 2  # slot j's distance row of the precomputed table
-        return torch.bmm(q_v, self.pos_table[:, :, window - slot:window - slot + length])
-
-    def position_scores_rows(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
+    def position_scores(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
         return q_v @ self.pos_table[:, :, columns].permute(2, 0, 1, 3)  # table [H, hd, B, W]
 
 
@@ -214,20 +188,12 @@ class ConvModule(nn.Module):
         g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
         return self._finish(self.depthwise_conv(g).transpose(1, 2))
 
-    def forward_step(self, x: torch.Tensor, ring: torch.Tensor, slot: int, slots: torch.Tensor,
+    def forward_step(self, x: torch.Tensor, ring: torch.Tensor, rows: "ConformerRows",
                      residual: torch.Tensor) -> torch.Tensor:
-        """x [1, 1, d] -> ``residual + conv(x)``. ``ring`` [1, d, 2 * kernel] holds the GLU outputs of the
-        last ``kernel`` frames twice over: frame t at columns ``t % kernel`` and ``t % kernel + kernel``
-        (``slots`` = that pair, written in one op), so the window of the last ``kernel`` frames is the
-        contiguous view starting at ``slot + 1`` (``slot = t % kernel``), zeros before the first frame."""
-        ring.index_copy_(2, slots, self._glu(x).transpose(1, 2).expand(-1, -1, 2))
-        window = ring[:, :, slot + 1:slot + 1 + self.kernel_size]
-        h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
-        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
-
-    def forward_rows(self, x: torch.Tensor, ring: torch.Tensor, rows: "ConformerRows",
-                     residual: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward_step` for ``B`` streams at their own frames (``ring [B, d, 2 * kernel]``)."""
+        """One frame per stream ``x [B, 1, d]`` -> ``residual + conv(x)``. ``ring [B, d, 2 * kernel]`` holds the
+        GLU outputs of each row's last ``kernel`` frames twice over: frame t at columns ``t % kernel`` and
+        ``t % kernel + kernel`` (``rows.conv_slots``, written in one op), so its window is the ``kernel``
+        columns from ``t % kernel + 1`` (``rows.conv_window``), zeros before the first frame."""
         b, d = x.shape[0], ring.shape[1]
         ring.scatter_(2, rows.conv_slots.expand(b, d, 2), self._glu(x).transpose(1, 2).expand(-1, -1, 2))
         window = ring.gather(2, rows.conv_window.expand(b, d, self.kernel_size))
@@ -256,19 +222,11 @@ class ConformerLayer(nn.Module):
         x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x)
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, slot: int,
-                     length: int, stream_pos: torch.Tensor, conv_slot: int, conv_slots: torch.Tensor) -> torch.Tensor:
-        x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn.forward_step(self.norm_self_att(x), kv, slot, length, stream_pos, residual=x)
-        x = self.conv.forward_step(self.norm_conv(x), conv_ring, conv_slot, conv_slots, residual=x)
-        x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
-        return self.norm_out(x)
-
-    def forward_rows(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, rows: "ConformerRows",
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, rows: "ConformerRows",
                      stream_pos: torch.Tensor) -> torch.Tensor:
         x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn.forward_rows(self.norm_self_att(x), kv, rows, stream_pos, residual=x)
-        x = self.conv.forward_rows(self.norm_conv(x), conv_ring, rows, residual=x)
+        x = self.self_attn.forward_step(self.norm_self_att(x), kv, rows, stream_pos, residual=x)
+        x = self.conv.forward_step(self.norm_conv(x), conv_ring, rows, residual=x)
         x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
         return self.norm_out(x)
 
@@ -323,30 +281,14 @@ class CausalSubsampling(nn.Module):
 
 @dataclass
 class ConformerCache:
-    """Streaming state of :class:`FastConformer`, preallocated and written in place.
+    """Streaming state of :meth:`FastConformer.forward_step`: ``B`` streams, each at its own frame,
+    preallocated and written in place.
 
-    ``kv`` [layers, 2, heads, left+1, head_dim]: per layer a ring buffer of the keys and values of
-    the last ``left`` frames plus the current one (frame n lives in slot n mod (left+1)).
-    ``conv`` [layers, 1, d_model, 2 * kernel]: per convolution module a ring of its last ``kernel`` GLU
-    outputs, each stored twice so that the window is a contiguous view (see ConvModule.forward_step).
-    ``mel`` [1, M, features]: the subsampling's window of past mel frames, right-aligned.
-    ``consumed`` counts mel frames pushed, ``frames`` encoder frames emitted.
-    """
-
-    kv: torch.Tensor
-    conv: torch.Tensor
-    mel: torch.Tensor
-    consumed: int = 0
-    frames: int = 0
-
-
-@dataclass
-class ConformerRowsCache:
-    """Streaming state of :meth:`FastConformer.forward_rows`: ``B`` streams, each at its own frame.
-
-    As :class:`ConformerCache` with a batch axis: ``kv [layers, 2, B, heads, left+1, head_dim]``,
-    ``conv [layers, B, d_model, 2 * kernel]``, ``mel [B, M, features]``; ``frames [B]`` (long, on the
-    device) counts each row's encoder frames, advanced by the caller."""
+    ``kv [layers, 2, B, heads, left+1, head_dim]``: per layer a ring of the keys and values of the last
+    ``left`` frames plus the current one (frame n in slot n mod (left+1)); ``conv [layers, B, d_model,
+    2 * kernel]``: per convolution module a ring of its last ``kernel`` GLU outputs, each stored twice
+    (see :meth:`ConvModule.forward_step`); ``mel [B, M, features]``: the subsampling's window of past
+    mel frames, right-aligned; ``frames [B]`` (long, on the device): each row's encoder frames so far."""
 
     kv: torch.Tensor
     conv: torch.Tensor
@@ -465,62 +407,25 @@ class FastConformer(nn.Module):
             pieces.append(self.pre_encode(mel[:, first:last])[:, back:back + end - start])
         return torch.cat(pieces, dim=1)
 
-    def new_cache(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> ConformerCache:
-        dtype, device = dtype or self.activation_dtype, device or self.pre_encode.out.weight.device
-        cfg = self.config
-        n = cfg.n_layers
-        return ConformerCache(
-            kv=torch.zeros(n, 2, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
-            conv=torch.zeros(n, 1, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
-            mel=torch.zeros(1, self.mel_context, cfg.feat_in, dtype=dtype, device=device))
-
-    def forward_step(self, mel_frames: torch.Tensor, cache: ConformerCache | ConformerRowsCache) -> torch.Tensor:
-        """Push mel frames [1, k, feat_in] (k = 1 first, then 8) and return the next encoder frame [1, 1, d].
-        With a :class:`ConformerRowsCache`, one frame per stream, each at its own (:meth:`forward_rows`)."""
-        if isinstance(cache, ConformerRowsCache):
-            return self.forward_rows(mel_frames, cache)
-        mel_frames = self._check_mel(mel_frames, "forward_step")
-        k = mel_frames.shape[1]
-        expected = 1 if cache.consumed == 0 else self.subsampling
-        if k != expected:
-            raise ValueError(
-                f"FastConformer.forward_step: got {k} mel frames after {cache.consumed} consumed; the cached "
-                f"encoder needs the 1, {self.subsampling}, {self.subsampling}, ... cadence (expected {expected}), "
-                f"which emits exactly one encoder frame per call")
-        m = self.mel_context
-        kept = min(cache.consumed, m)
-        window = torch.cat([cache.mel[:, m - kept:], mel_frames], dim=1)
-        cache.consumed += k
-        kept = min(cache.consumed, m)
-        cache.mel[:, m - kept:] = window[:, -kept:]
-
-        x = self.pre_encode(window, last_only=True)
-        if self.xscale is not None:  # as offline (and NeMo); the reference's cached path skips it
-            x = x * self.xscale
-        n = cache.frames
-        slots = self.left + 1
-        length = min(n + 1, slots)
-        # Slot j holds frame n - ((n - j) mod slots): its distance row is stream_pos rolled by n % slots.
-        kernel = self.config.conv_kernel_size
-        conv_slots = self.conv_slots[n % kernel]
-        for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
-            x = layer.forward_step(x, kv, conv, n % slots, length, self.stream_pos, n % kernel, conv_slots)
-        cache.frames = n + 1
-        return x
-
-    def new_rows_cache(self, batch: int) -> ConformerRowsCache:
+    def new_cache(self, batch: int = 1) -> ConformerCache:
+        """Empty history for ``batch`` streams."""
         cfg, dtype, device = self.config, self.activation_dtype, self.pre_encode.out.weight.device
-        return ConformerRowsCache(
+        return ConformerCache(
             kv=torch.zeros(cfg.n_layers, 2, batch, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
             conv=torch.zeros(cfg.n_layers, batch, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
             mel=torch.zeros(batch, self.mel_context, cfg.feat_in, dtype=dtype, device=device),
             frames=torch.zeros(batch, dtype=torch.long, device=device))
 
-    def forward_rows(self, mel: torch.Tensor, cache: ConformerRowsCache) -> torch.Tensor:
-        """One encoder frame per stream: ``mel [B, 8, feat_in]`` as :meth:`LogMel.forward_rows` gives it
-        (a stream's first frame has one mel frame, the last) -> ``[B, 1, d]``. Each row computes as
-        :meth:`forward_step` does for its stream alone: a shorter mel window while it starts, its own
-        ring slots and distances, no slot it has not filled. The caller advances ``cache.frames``."""
+    def forward_step(self, mel: torch.Tensor, cache: ConformerCache) -> torch.Tensor:
+        """The streaming step: one encoder frame per stream, ``mel [B, 8, feat_in]`` as
+        :meth:`LogMel.forward_step` gives it for an 80 ms frame (a stream's first frame has one mel
+        frame, the last) -> ``[B, 1, d]``. Each row at its own frame (``cache.frames``, which advances;
+        the engine sets it for rows that sit out): a shorter mel window while it starts, its own ring
+        slots and distances, no slot it has not filled."""
+        if mel.dim() != 3 or mel.shape[1:] != (self.subsampling, self.config.feat_in) or \
+                mel.shape[0] != cache.frames.shape[0]:
+            raise ValueError(f"FastConformer.forward_step: expected mel [{cache.frames.shape[0]}, {self.subsampling}, "
+                             f"{self.config.feat_in}] (one 80 ms frame per stream), got {tuple(mel.shape)}")
         mel = mel.to(self.activation_dtype)
         m, s = self.mel_context, self.subsampling
         n = cache.frames
@@ -538,7 +443,9 @@ class FastConformer(nn.Module):
         rows = ConformerRows(
             batch=torch.arange(n.shape[0], device=n.device), slot=slot, columns=(ring - slot[:, None]) % w,
             mask=torch.where(ring <= n[:, None], 0.0, float("-inf"))[:, None, None],
-            conv_slots=self.conv_slots[n % kernel][:, None], conv_window=((n % kernel)[:, None] + 1 + torch.arange(kernel, device=n.device))[:, None])
+            conv_slots=self.conv_slots[n % kernel][:, None],
+            conv_window=((n % kernel)[:, None] + 1 + torch.arange(kernel, device=n.device))[:, None])
         for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
-            x = layer.forward_rows(x, kv, conv, rows, self.stream_pos)
+            x = layer.forward_step(x, kv, conv, rows, self.stream_pos)
+        cache.frames = n + 1
         return x

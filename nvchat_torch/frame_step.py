@@ -112,8 +112,8 @@ class FrameStep:
     # ---- the caches: one row per slot (two in the TTS)
     def _new_caches(self, batch: int) -> None:
         perception, dtype = self._perception, self.model.dtype
-        self._mel = perception.log_mel.new_rows_cache(batch)
-        self._conformer = perception.new_rows_cache(batch)
+        self._mel = perception.log_mel.new_cache(batch)
+        self._conformer = perception.new_cache(batch)
         self._rnnt = RnntState(self._start_hc.repeat(1, batch, 1))
         self._language = self._llm.new_cache(batch, dtype=dtype)
         self._ids = torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
@@ -272,7 +272,7 @@ class FrameStep:
             saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
             projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index)
             mark()
-            transcript_ids = self._transcriber.step_rows(encoded, self._rnnt)  # [S, batch]
+            transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
             mark()
             fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
                                 cfg.function_channel_weight)
@@ -312,8 +312,8 @@ class FrameStep:
             self._audio_window = torch.cat([self._audio_window, frames[0]])[-self._window_samples:]
             return self._perception.uncached_frame(self._audio_window)
         self._mel.frames = self._conformer.frames = frame_index
-        mel = self._perception.log_mel.forward_rows(frames, self._mel)
-        return self._perception.forward_rows(mel, self._conformer)
+        mel = self._perception.log_mel.forward_step(frames, self._mel)
+        return self._perception.forward_step(mel, self._conformer)
 
     def _language_step(self, fused: torch.Tensor, positions: torch.Tensor, end: int,
                        round_keys: torch.Tensor | None) -> torch.Tensor:
@@ -322,4 +322,4 @@ class FrameStep:
             self._history.append(fused)
             return self._llm(torch.cat(self._history, dim=1))[:, -1:]
         rows = LanguageRows.make(positions, end, self._llm.config.conv_kernel, round_keys)
-        return self._llm.forward_rows(fused, self._language, rows)
+        return self._llm.forward_step(fused, self._language, rows)

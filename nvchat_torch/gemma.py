@@ -75,17 +75,12 @@ class Rotary(nn.Module):
         angles = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq
         self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
         self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], dim=-1), persistent=False)
-        # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation()).
+        # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation_rows()).
         self.register_buffer("swap", torch.roll(torch.eye(self.dim, device=device), half, dims=0), persistent=False)
 
-    def rotation(self, position: int, dtype: torch.dtype) -> torch.Tensor:
-        """RoPE at one ``position`` as a matrix ``M [dim, dim]``: ``x @ M`` rotates ``x`` (3 ops, shared by
-        every layer of a step, which then rotates with one matmul)."""
-        cos, sin = self.table(position, 1)
-        return (torch.diag_embed(cos[0]) + self.swap * sin).to(dtype)
-
     def rotation_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`rotation` per row: ``positions [R]`` -> ``[R, 1, 1, dim, dim]``."""
+        """RoPE at each row's position as a matrix: ``positions [R]`` -> ``M [R, 1, 1, dim, dim]``; ``x @ M``
+        rotates ``x`` (3 ops, shared by every layer of a step, which then rotates with one matmul)."""
         cos, sin = self.cos[positions], self.sin[positions]
         return (torch.diag_embed(cos) + self.swap * sin[:, None]).to(dtype)[:, None, None]
 
@@ -235,7 +230,7 @@ class TTSCache:
 
 @dataclass
 class TTSRows:
-    """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_rows`), made once per step
+    """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_step`), made once per step
     by :meth:`make` and shared by the layers: ``positions [R]`` (long, on the device; a session's two
     rows share theirs), ``end``, the largest plus one, and per row its sliding layers' ring slot. Masks:
     a row attends its positions up to its own (``held [R, 1, 1, end]``), and a sliding layer's ring
@@ -285,21 +280,15 @@ class GemmaAttention(AttentionProjections):
         else:
             qk = Rotary.apply(qk * self.qk_norm_weight(), rope[0][:, None], rope[1][:, None])
         q, k, v = self.split_heads(qk, v)
-        if rows is not None:
+        if rows is not None:  # the query heads of a KV head become that many query rows (a view): plain
+            # attention over the held keys, which GQA would expand per query head, every step, whole history
             held_k, held_v = cache.write_rows(layer, k, v, rows)
             b = q.shape[0]
             out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
                                                  attn_mask=mask, scale=self.scale)
             return self.output(out.view(b, self.n_heads, 1, self.head_dim))
-        if cache is not None:
-            held_k, held_v = cache.write(layer, k, v)
-            if length == 1:  # one new position attends to every held one (no mask, as the reference)
-                # The query heads of a KV head become that many query rows (a view): plain attention
-                # over the held keys, which GQA would expand per query head, every step, whole history.
-                b = q.shape[0]
-                out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
-                                                     scale=self.scale)
-                return self.output(out.view(b, self.n_heads, 1, self.head_dim))
+        if cache is not None:  # a sequence from position 0 (the speaker warmup): it attends to itself
+            cache.write(layer, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_heads != self.n_kv_heads)
         return self.output(out)
@@ -374,22 +363,17 @@ class GemmaBackbone(nn.Module):
         windows = [self.window if layer.sliding else None for layer in self.layers]
         return TTSCache(empty[::2], empty[1::2], windows, limit=self.max_positions)
 
-    def _run(self, x: torch.Tensor, cache: TTSCache | None, start: int,
-             masks: dict[bool, torch.Tensor | None], rows: TTSRows | None = None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, cache: TTSCache | None, masks: dict[bool, torch.Tensor],
+             rows: TTSRows | None = None) -> torch.Tensor:
         batch, length, width = x.shape
         if rows is not None:  # one rotation matrix per row and RoPE base
             tables = {False: (self.rope_global.rotation_rows(rows.positions, x.dtype),),
                       True: (self.rope_local.rotation_rows(rows.positions, x.dtype),)}
-        elif length == 1:  # a step: one rotation matrix per RoPE base, shared by the layers
-            tables = {False: (self.rope_global.rotation(start, x.dtype),),
-                      True: (self.rope_local.rotation(start, x.dtype),)}
         else:
-            tables = {False: self.rope_global.table(start, length), True: self.rope_local.table(start, length)}
+            tables = {False: self.rope_global.table(0, length), True: self.rope_local.table(0, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes
         for index, layer in enumerate(self.layers):
             x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding], rows)
-        if cache is not None and rows is None:
-            cache.offset += length
         return self.norm(x).view(batch, length, width)
 
     def forward(self, x: torch.Tensor, cache: TTSCache | None = None) -> torch.Tensor:
@@ -401,21 +385,27 @@ class GemmaBackbone(nn.Module):
         positions = torch.arange(x.shape[1], device=x.device)
         distance = positions[:, None] - positions[None, :]
         causal = distance >= 0
-        return self._run(x, cache, 0, {False: causal, True: causal & (distance < self.window)})
+        out = self._run(x, cache, {False: causal, True: causal & (distance < self.window)})
+        if cache is not None:
+            cache.offset += x.shape[1]
+        return out
+
+    def rows_at(self, cache: TTSCache, rows: int = 2) -> TTSRows:
+        """``rows`` rows all at ``cache.offset``: one stream's step (its conditional and unconditional rows)."""
+        positions = torch.full((rows,), cache.offset, dtype=torch.long, device=self.norm.weight.device)
+        return TTSRows.make(positions, cache.offset + 1, self.window)
 
     def forward_step(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows | None = None) -> torch.Tensor:
-        """One position ``[B, 1, H]`` at ``cache.offset``, attending to every cached position; with
-        ``rows`` each row at its own position (:meth:`forward_rows`)."""
-        if rows is not None:
-            return self.forward_rows(x, cache, rows)
-        if x.shape[1] != 1:
-            raise ValueError(f"forward_step takes one position [B, 1, H], got {list(x.shape)}")
-        return self._run(x, cache, cache.offset, {False: None, True: None})
-
-    def forward_rows(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows) -> torch.Tensor:
-        """One position per row ``[R, 1, H]``, each at its own ``rows.positions`` (the batched engine); the
-        cache's ``offset`` is left to the caller."""
-        if x.shape[1] != 1 or x.shape[0] != rows.positions.shape[0]:
-            raise ValueError(f"forward_rows takes one position per row [{rows.positions.shape[0]}, 1, H], "
+        """The streaming step: one position per row ``[R, 1, H]``, each at its own ``rows.positions``,
+        attending to the positions it holds (the engine's sessions side by side; ``cache.offset`` is
+        then left to the caller). Without ``rows`` every row is at ``cache.offset``, which advances:
+        one stream stepping alone (:meth:`rows_at`)."""
+        alone = rows is None
+        rows = self.rows_at(cache, x.shape[0]) if rows is None else rows
+        if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] != rows.positions.shape[0]:
+            raise ValueError(f"forward_step takes one position per row [{rows.positions.shape[0]}, 1, H], "
                              f"got {list(x.shape)}")
-        return self._run(x, cache, 0, {False: rows.held, True: rows.ring}, rows)
+        out = self._run(x, cache, {False: rows.held, True: rows.ring}, rows)
+        if alone:
+            cache.offset += 1
+        return out

@@ -62,23 +62,7 @@ def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, device=None
 
 @dataclass
 class MelCache:
-    """Streaming state of :class:`LogMel`: the retained raw samples and the frame counters.
-
-    ``samples`` holds raw (not preemphasised) input from absolute sample ``start`` on: two
-    frames of look-behind before the next frame's centre (which covers the window's left half
-    and the preemphasis predecessor) plus what is not yet covered by the lookahead.
-    """
-
-    samples: torch.Tensor
-    start: int = 0  # absolute index of samples[0]
-    total: int = 0  # samples pushed so far
-    next_frame: int = 0  # first frame not yet emitted
-    closed: bool = False
-
-
-@dataclass
-class MelRowsCache:
-    """Streaming state of :meth:`LogMel.forward_rows`: many streams, each pushing whole 80 ms frames.
+    """Streaming state of :meth:`LogMel.forward_step`: ``B`` streams, each pushing whole 80 ms frames.
 
     ``samples [B, kept]``: each row's last raw samples (zeros before its start), enough for the next
     frame's windows and the preemphasis predecessor; ``frames [B]`` (long, on the device): frames each
@@ -92,10 +76,9 @@ class MelRowsCache:
 class LogMel(nn.Module):
     """``forward(audio [N] or [1, N]) -> [1, N // hop + 1, features]`` float32 log-mel.
 
-    Streaming: :meth:`forward_step` emits the hop-aligned frames whose centres trail the input
-    edge by ``lookahead_samples`` (1280 = one 80 ms frame, the reference session's rule), so
-    pushing 1280 samples at a time yields 1, 8, 8, ... frames; :meth:`flush` emits the rest.
-    The joined stream equals the offline result.
+    Streaming: :meth:`forward_step` takes whole ``lookahead_samples`` frames (1280 = 80 ms) per stream
+    and emits the hop-aligned frames whose centres trail the input edge by that much (the reference
+    session's rule): 1, 8, 8, ... frames, equal to the offline result's.
     """
 
     def __init__(self, config: PreprocessorConfig, lookahead_samples: int = 1280):
@@ -112,8 +95,6 @@ class LogMel(nn.Module):
         self.preemph = float(config.preemph or 0.0)
         self.log_guard = float(config.log_zero_guard_value)
         self.lookahead = lookahead_samples
-        # Samples kept before the next frame's centre: half a window plus the preemphasis predecessor.
-        self.lookbehind_frames = math.ceil((self.n_fft // 2 + 1) / self.hop)
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -174,44 +155,23 @@ class LogMel(nn.Module):
         return torch.cat([self._log_mel(padded, first * self.hop, min(OFFLINE_CHUNK, count - first))
                           for first in range(0, count, OFFLINE_CHUNK)], dim=1)
 
-    # ---- streaming
+    # ---- streaming: many streams, whole frames
 
-    def new_cache(self) -> MelCache:
-        return MelCache(samples=torch.zeros(0, dtype=torch.float32, device=self.dft_basis.device))
-
-    def forward_step(self, samples: torch.Tensor, cache: MelCache | MelRowsCache) -> torch.Tensor:
-        """Push any number of samples; return the newly complete frames ``[1, k, features]``. With a
-        :class:`MelRowsCache`, one frame per stream ``[B, lookahead]`` (:meth:`forward_rows`)."""
-        if isinstance(cache, MelRowsCache):
-            return self.forward_rows(samples, cache)
-        if cache.closed:
-            raise RuntimeError("LogMel.forward_step: this MelCache was flushed; start a new one")
-        samples = self._check_audio(samples, "forward_step")
-        return self._advance(cache, samples, final=False)
-
-    def flush(self, cache: MelCache) -> torch.Tensor:
-        """Emit the frames left at the end of the stream (right edge reflect-padded) and close the cache."""
-        if cache.closed:
-            raise RuntimeError("LogMel.flush: this MelCache was already flushed")
-        return self._advance(cache, cache.samples[:0], final=True)
-
-    # ---- many streams, whole frames (the batched engine)
-
-    def new_rows_cache(self, batch: int) -> MelRowsCache:
+    def new_cache(self, batch: int = 1) -> MelCache:
         """Zero history for ``batch`` streams that push ``lookahead`` samples per call."""
         kept = self.lookahead - self.hop + self.n_fft // 2 + 1
         device = self.dft_basis.device
-        return MelRowsCache(torch.zeros(batch, kept, device=device),
-                            torch.zeros(batch, dtype=torch.long, device=device))
+        return MelCache(torch.zeros(batch, kept, device=device), torch.zeros(batch, dtype=torch.long, device=device))
 
-    def forward_rows(self, frames: torch.Tensor, cache: MelRowsCache) -> torch.Tensor:
-        """One frame per stream ``[B, lookahead]`` -> ``[B, lookahead // hop, features]``: the frames
-        :meth:`forward_step` emits for that push (8), right-aligned; a stream's first push emits 1, so
-        its row holds that one last and 7 frames of no meaning before it. The caller advances
-        ``cache.frames`` (rows that sat out keep theirs, see the engine)."""
+    def forward_step(self, frames: torch.Tensor, cache: MelCache) -> torch.Tensor:
+        """The streaming step: one frame per stream ``[B, lookahead]`` -> ``[B, lookahead // hop, features]``,
+        the frames whose centres trail the stream's edge by ``lookahead`` (8 for 80 ms), equal to those
+        of the offline pass; a stream's first push completes only 1, so its row holds that one last and
+        7 frames of no meaning before it. ``cache.frames`` advances (the engine sets it for rows that sit
+        out)."""
         step, hop, pad = self.lookahead, self.hop, self.n_fft // 2
         if frames.dim() != 2 or frames.shape[1] != step or step % hop:
-            raise ValueError(f"LogMel.forward_rows: expected frames [B, {step}] (a multiple of hop {hop}), "
+            raise ValueError(f"LogMel.forward_step: expected frames [B, {step}] (a multiple of hop {hop}), "
                              f"got {tuple(frames.shape)}")
         count = step // hop
         buffer = torch.cat([cache.samples, frames.to(torch.float32)], dim=1)  # [B, N]
@@ -227,39 +187,5 @@ class LogMel(nn.Module):
         windows = y[:, 1:].unfold(1, self.n_fft, hop)[:, :count]  # [B, count, n_fft]
         spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))
         mel = spectrum.square().sum(dim=2) @ self.filterbank.T
+        cache.frames = cache.frames + 1
         return torch.log(mel + self.log_guard)
-
-    def _advance(self, cache: MelCache, samples: torch.Tensor, final: bool) -> torch.Tensor:
-        buffer = torch.cat([cache.samples, samples]) if samples.shape[0] else cache.samples
-        cache.total += samples.shape[0]
-        if final:
-            cache.closed = True
-            end_frame = cache.total // self.hop + 1
-        else:
-            centre = cache.total - self.lookahead
-            end_frame = centre // self.hop + 1 if centre >= 0 else 0
-        count = end_frame - cache.next_frame
-        if count <= 0:
-            cache.samples = buffer
-            return buffer.new_zeros(1, 0, self.features)
-
-        pad = self.n_fft // 2
-        if final and cache.total <= pad:
-            raise ValueError(f"LogMel.flush: {cache.total} samples in the whole stream is too short for the "
-                             f"centred STFT (reflect padding needs at least {pad + 1})")
-        y = self._preemphasize(buffer)  # y[0] is wrong unless start == 0, but then it is never read
-        origin = cache.start  # absolute sample index of padded[0]
-        if cache.start == 0 and cache.next_frame * self.hop < pad:  # the true start: reflect
-            y = torch.cat([y[1:pad + 1].flip(0), y])
-            origin -= pad
-        if final:
-            y = torch.cat([y, y[-pad - 1:-1].flip(0)])
-        mel = self._log_mel(y, cache.next_frame * self.hop - pad - origin, count)
-
-        cache.next_frame = end_frame
-        keep_from = max(end_frame - self.lookbehind_frames, 0) * self.hop
-        if keep_from > cache.start:
-            buffer = buffer[keep_from - cache.start:].clone()  # clone: do not pin the whole pushed chunk
-            cache.start = keep_from
-        cache.samples = buffer
-        return mel

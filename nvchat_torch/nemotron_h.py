@@ -157,7 +157,7 @@ class KVCache:
 
 @dataclass
 class LanguageRows:
-    """Where each row of a batched step stands (:meth:`NemotronHModel.forward_rows`), made once per step
+    """Where each row of a batched step stands (:meth:`NemotronHModel.forward_step`), made once per step
     by :meth:`make` and shared by the layers.
 
     ``positions [B]``: each row's position (long, on the device); ``end``: the largest plus one, how
@@ -542,20 +542,14 @@ class NemotronHModel(nn.Module):
             cache.offset += inputs_embeds.shape[1]
         return self.norm_f(h)
 
-    def forward_step(self, inputs_embeds: torch.Tensor, cache: LanguageCache,
-                     rows: LanguageRows | None = None) -> torch.Tensor:
-        """One position: ``[B, 1, hidden]`` -> ``[B, 1, hidden]``, advancing ``cache`` (no host syncs).
-        With ``rows`` each row is at its own position (:meth:`forward_rows`)."""
+    def forward_step(self, inputs_embeds: torch.Tensor, cache: LanguageCache, rows: LanguageRows) -> torch.Tensor:
+        """The streaming step: one position per row ``[B, 1, hidden]``, each row at its own
+        ``rows.positions`` (sessions of different lengths side by side; a lone session is one row), no
+        host syncs; ``cache``'s offsets are left to the caller. :meth:`forward` continues a cache by any
+        number of positions (a prompt's prefill)."""
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] != 1:
-            raise ValueError(f"forward_step takes one position, [batch, 1, {self.config.hidden_size}], "
+            raise ValueError(f"forward_step takes one position per row, [batch, 1, {self.config.hidden_size}], "
                              f"got {list(inputs_embeds.shape)}")
-        if rows is not None:
-            return self.forward_rows(inputs_embeds, cache, rows)
-        return self.forward(inputs_embeds, cache)
-
-    def forward_rows(self, inputs_embeds: torch.Tensor, cache: LanguageCache, rows: LanguageRows) -> torch.Tensor:
-        """One position per row ``[B, 1, hidden]``, each row at its own ``rows.positions`` (the batched
-        engine: sessions of different lengths); ``cache``'s offsets are left to the caller."""
         self._check_cache(cache, inputs_embeds.shape[0])
         h = inputs_embeds
         for layer, entry in zip(self.layers, cache.layers):

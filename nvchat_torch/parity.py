@@ -94,18 +94,17 @@ def run_ours(model_path: str, wave: np.ndarray, prompt: str | None, seed: int, d
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=prompt, seed=seed,
                                                                  deterministic=True))
     trace = Trace()
-    timeline = session._timeline
-    original = timeline.language
+    frames = session._frames  # the session's one-row frame step
+    original = frames._language_step
 
-    def language(user, generate):  # record both heads' logits (extra host reads: a diagnostic tool)
-        ids = original(user, generate)
-        if generate:
-            heads = language_heads(timeline.last_hidden, *timeline.heads)
-            trace.text_logits.append(heads.text_logits[0, -1].float().cpu().numpy())
-            trace.function_logits.append(heads.function_logits[0, -1].float().cpu().numpy())
-        return ids
+    def language_step(*args):  # record both heads' logits (extra host reads: a diagnostic tool)
+        hidden = original(*args)
+        heads = language_heads(hidden, *frames._heads)
+        trace.text_logits.append(heads.text_logits[0, -1].float().cpu().numpy())
+        trace.function_logits.append(heads.function_logits[0, -1].float().cpu().numpy())
+        return hidden
 
-    timeline.language = language
+    frames._language_step = language_step
     for start in range(0, len(wave), FRAME):
         events = session.push_audio(wave[start:start + FRAME], 16000)
         if start + FRAME >= len(wave):

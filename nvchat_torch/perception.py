@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .config import AudioConfig
-from .conformer import ConformerCache, ConformerRowsCache, FastConformer
+from .conformer import ConformerCache, FastConformer
 from .layers import Linear
 from .mel import LogMel
 
@@ -54,23 +54,16 @@ class Perception(nn.Module):
     def fuse(self) -> None:
         self.encoder.fuse()
 
-    def new_cache(self) -> ConformerCache:
-        return self.encoder.new_cache()
+    def new_cache(self, batch: int = 1) -> ConformerCache:
+        return self.encoder.new_cache(batch)
 
     def forward(self, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         encoded = self.encoder(mel)
         return self.proj(encoded), encoded
 
-    def forward_step(self, mel_frames: torch.Tensor,
-                     cache: ConformerCache | ConformerRowsCache) -> tuple[torch.Tensor, torch.Tensor]:
-        encoded = self.encoder.forward_step(mel_frames, cache)
-        return self.proj(encoded), encoded
-
-    def new_rows_cache(self, batch: int) -> ConformerRowsCache:
-        return self.encoder.new_rows_cache(batch)
-
-    def forward_rows(self, mel: torch.Tensor, cache: ConformerRowsCache) -> tuple[torch.Tensor, torch.Tensor]:
-        encoded = self.encoder.forward_rows(mel, cache)
+    def forward_step(self, mel: torch.Tensor, cache: ConformerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One encoder frame per stream (:meth:`FastConformer.forward_step`), projected."""
+        encoded = self.encoder.forward_step(mel, cache)
         return self.proj(encoded), encoded
 
     def uncached_frame(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,17 +183,11 @@ class RnntTranscriber(nn.Module):
         out, hc = self.decoder(None)
         return RnntState(hc=torch.cat([hc, out.transpose(0, 1)]))
 
-    def step(self, encoded_frame: torch.Tensor, state: RnntState) -> torch.Tensor:
-        """Decode one encoder frame [1, 1, D]; returns ``[max_symbols]`` long ids (-1 = none) and
-        updates ``state``. Special pieces (language tags, <unk>) are returned too: they advance the
-        prediction network, and :class:`TranscriptText` leaves them out of the text. A batch of frames
-        ``[B, 1, D]`` gives ``[max_symbols, B]`` (:meth:`step_rows`)."""
-        ids = self.step_rows(encoded_frame, state)
-        return ids.view(-1) if ids.shape[1] == 1 else ids
-
-    def step_rows(self, encoded: torch.Tensor, state: RnntState) -> torch.Tensor:
-        """:meth:`step` for ``B`` streams: encoder frames ``[B, 1, D]``, ``state.hc [2 * layers + 1, B, H]``
-        -> ``[max_symbols, B]`` ids (-1 = none). Rows decode independently."""
+    def forward_step(self, encoded: torch.Tensor, state: RnntState) -> torch.Tensor:
+        """Decode one encoder frame per stream: ``encoded [B, 1, D]``, ``state.hc [2 * layers + 1, B, H]``
+        (updated) -> ``[max_symbols, B]`` long ids (-1 = none); rows decode independently. Special pieces
+        (language tags, <unk>) are returned too: they advance the prediction network, and
+        :class:`TranscriptText` leaves them out of the text."""
         decoder, layers = self.decoder, self.decoder.layers
         pred = self.joint.pred
         # enc(e) + pred(p) as one addmm per symbol: the frame's projection rides in the bias.
@@ -218,7 +212,7 @@ class RnntTranscriber(nn.Module):
         if encoded.dim() != 3 or encoded.shape[0] != 1:
             raise ValueError(f"RnntTranscriber.greedy_decode: expected encoded [1, T, D], got {tuple(encoded.shape)}")
         state = self.new_state()
-        ids = torch.stack([self.step(encoded[:, t:t + 1], state) for t in range(encoded.shape[1])])
+        ids = torch.stack([self.forward_step(encoded[:, t:t + 1], state)[:, 0] for t in range(encoded.shape[1])])
         return [i for i in ids.flatten().tolist() if i >= 0]
 
 

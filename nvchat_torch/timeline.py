@@ -74,7 +74,7 @@ class Timeline:
             # bf16 prompt embeddings (a bf16 checkpoint): the reference steps its bf16 prefill one token
             # at a time, and a chunked scan would round differently, so step as it does.
             for t in range(n):
-                hidden = self.llm.forward_step(fused[:, t:t + 1], self.language_cache)
+                hidden = self.llm(fused[:, t:t + 1], self.language_cache)
                 yield True
         elif self.language_cache is not None:
             for start in range(0, n, PREFILL_CHUNK):
@@ -95,7 +95,7 @@ class Timeline:
         fused = fused_input(self.embed, self.prev_text, user, self.prev_function,
                             self.config.function_channel_weight)
         if self.language_cache is not None:
-            hidden = self.llm.forward_step(fused, self.language_cache)
+            hidden = self.llm(fused, self.language_cache)
         else:  # diagnostic: recompute the whole history every step
             self.history.append(fused)
             hidden = self.llm(torch.cat(self.history, dim=1))[:, -1:]

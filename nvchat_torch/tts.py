@@ -164,18 +164,17 @@ class EarTTS(nn.Module):
     def forward_step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
                      rows: TTSRows | None = None) -> torch.Tensor:
         """Previous codes ``[B, 1, Q]`` and this step's text ids ``[B]`` -> hidden ``[2B, 1, H]`` (each
-        session's conditional and unconditional rows next to each other). ``B`` is 1 unless ``rows``
-        places each session at its own position (the batched engine)."""
+        session's conditional and unconditional rows next to each other), each session at its own
+        position (``rows``: the engine's sessions side by side); without ``rows`` one session (``B`` = 1)
+        at ``cache.offset``, which advances."""
         b = 1 if rows is None else rows.positions.shape[0] // 2
         _check_shape("prev_codes", prev_codes, (b, 1, self.config.num_quantizers), integer=True)
         _check_shape("text_id", text_id, (b,), integer=True)
         code_embed = self.embed_code(self.depth_sum(prev_codes.view(b, -1)).to(self.activation_dtype))
         text = self.embed_subword(text_id.view(b, 1)).view(b, -1)
-        if rows is None:
-            return self.backbone.forward_step(self._fuse_inputs(code_embed, text).view(2, 1, -1), cache)
         cond = torch.stack([text, self.null_emb.to(text.dtype).expand_as(text)], dim=1)  # [B, 2, H]
         fused = self.gated_fusion_audio_text(code_embed[:, None], cond)
-        return self.backbone.forward_rows(fused.view(2 * b, 1, -1), cache, rows)
+        return self.backbone.forward_step(fused.view(2 * b, 1, -1), cache, rows)
 
     # ---- codes
 

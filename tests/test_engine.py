@@ -321,7 +321,7 @@ def test_rows_keep_the_key_dtype_the_reference_keeps(make_checkpoint, waves):
 
 
 def test_log_mel_and_conformer_rows_start_each_stream_as_alone(tiny):
-    """forward_step with rows caches: streams that join at different frames (a row that sits out is put
+    """forward_step with many rows: streams that join at different frames (a row that sits out is put
     back by the caller, here by hand) give each row's encoder frames as its stream alone gives them."""
     perception = tiny.stt_model.perception
     log_mel = perception.log_mel
@@ -332,23 +332,22 @@ def test_log_mel_and_conformer_rows_start_each_stream_as_alone(tiny):
     with torch.inference_mode():
         for b in range(streams):
             mel_cache, cache = log_mel.new_cache(), perception.new_cache()
-            alone.append([perception.forward_step(log_mel.forward_step(audio[b, t * FRAME:(t + 1) * FRAME], mel_cache),
-                                                  cache)[1] for t in range(frames)])
-        mel_rows, rows = log_mel.new_rows_cache(streams), perception.new_rows_cache(streams)
+            alone.append([perception.forward_step(log_mel.forward_step(audio[b:b + 1, t * FRAME:(t + 1) * FRAME],
+                                                                       mel_cache), cache)[1] for t in range(frames)])
+        mel_rows, rows = log_mel.new_cache(streams), perception.new_cache(streams)
         for step in range(frames + max(starts)):
             t = [step - s for s in starts]
             runs = torch.tensor([0 <= k < frames for k in t])
             batch = torch.stack([audio[b, k * FRAME:(k + 1) * FRAME] if runs[b] else torch.zeros(FRAME)
                                  for b, k in enumerate(t)])
-            saved = mel_rows.samples.clone(), rows.mel.clone()
+            saved = mel_rows.samples.clone(), rows.mel.clone(), rows.frames
             _, encoded = perception.forward_step(log_mel.forward_step(batch, mel_rows), rows)
             mel_rows.samples.copy_(torch.where(runs[:, None], mel_rows.samples, saved[0]))
             rows.mel.copy_(torch.where(runs[:, None, None], rows.mel, saved[1]))
             for b in range(streams):
                 if runs[b]:
                     torch.testing.assert_close(encoded[b], alone[b][t[b]][0], rtol=1e-5, atol=1e-5)
-            mel_rows.frames += runs
-            rows.frames += runs
+            mel_rows.frames = rows.frames = saved[2] + runs  # the rows that sat out keep their frame
 
 
 @pytest.mark.parametrize("name", ["f32", "bf16"])

@@ -18,7 +18,7 @@ from mlx_oracle import Reference, full_size_manifest, to_np
 from nvchat_torch.checkpoint import Checkpoint, cast
 from nvchat_torch.config import QuantSpec, TextConfig, VoiceChatConfig
 from nvchat_torch.language_heads import fuse_heads, fused_input, language_heads
-from nvchat_torch.nemotron_h import KVCache, MambaCache, NemotronHAttention, NemotronHModel
+from nvchat_torch.nemotron_h import KVCache, LanguageRows, MambaCache, NemotronHAttention, NemotronHModel
 from nvchat_torch.quant import quantize_modules
 
 LANGUAGE = ("stt_model.embed_tokens", "stt_model.llm.", "stt_model.lm_head", "stt_model.function_head")
@@ -38,6 +38,10 @@ class Language(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.function_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+
+def at(model, position: int, batch: int = 1) -> LanguageRows:
+    """``batch`` rows at ``position``: a streaming step's placement."""
+    return LanguageRows.make(torch.full((batch,), position), position + 1, model.llm.config.conv_kernel)
 
 def _strip(key: str) -> str:
     return key[len("stt_model."):]
@@ -88,7 +92,7 @@ def test_steps_and_offline_pass_match_reference(request, reference, ckpt_name, p
     cache = model.llm.new_cache()
     with torch.no_grad():
         for t, (ref_h, ref_text, ref_func) in enumerate(reference_steps(ref, x)):
-            h = model.llm.forward_step(torch.from_numpy(x[:, t:t + 1]), cache)
+            h = model.llm(torch.from_numpy(x[:, t:t + 1]), cache)
             heads = language_heads(h, model.lm_head, model.function_head)
             assert rel_err(h, ref_h) <= 1e-4, f"step {t}: hidden"
             assert rel_err(heads.text_logits, ref_text) <= 1e-4, f"step {t}: text logits"
@@ -130,7 +134,7 @@ def test_closed_loop_greedy_ids_match_reference(request, reference, ckpt_name, p
             fused = fused_input(model.embed_tokens, text, torch.from_numpy(audio[:, t:t + 1]), func,
                                 config.function_channel_weight)
             assert rel_err(fused, ref_fused[t]) <= 1e-6, f"step {t}: fused input"
-            out = language_heads(model.llm.forward_step(fused, cache), model.lm_head, model.function_head)
+            out = language_heads(model.llm(fused, cache), model.lm_head, model.function_head)
             text, func = out.text_ids, out.function_ids
             ids.append(out.ids)
     ids = [tuple(row) for row in torch.cat(ids).reshape(-1, 2).tolist()]
@@ -156,7 +160,7 @@ def test_finite_time_step_limit_clamps_dt_like_reference(ckpt_f32):
         assert (h - plain.llm(torch.from_numpy(x))).abs().max() > 1e-2  # the clip did change dt
         cache = clamped.llm.new_cache()
         for t, (ref_h, _, _) in enumerate(reference_steps(ref, x)):
-            assert rel_err(clamped.llm.forward_step(torch.from_numpy(x[:, t:t + 1]), cache), ref_h) <= 1e-4
+            assert rel_err(clamped.llm(torch.from_numpy(x[:, t:t + 1]), cache), ref_h) <= 1e-4
 
 
 def test_step_run_equals_offline_and_prefill_past_a_kv_block(ckpt_f32):
@@ -167,11 +171,16 @@ def test_step_run_equals_offline_and_prefill_past_a_kv_block(ckpt_f32):
     with torch.no_grad():
         offline = model.llm(x)
         cache = model.llm.new_cache()
-        steps = torch.cat([model.llm.forward_step(x[:, t:t + 1], cache) for t in range(x.shape[1])], 1)
+        steps = torch.cat([model.llm(x[:, t:t + 1], cache) for t in range(x.shape[1])], 1)
+        # the streaming step (one row at its position, as a session's frame runs it)
+        rows_cache = model.llm.new_cache(dtype=torch.float32)
+        streamed = torch.cat([model.llm.forward_step(x[:, t:t + 1], rows_cache, at(model, t))
+                              for t in range(x.shape[1])], 1)
         prefill_cache = model.llm.new_cache()
         prefill = torch.cat([model.llm(x[:, :100], prefill_cache), model.llm(x[:, 100:], prefill_cache)], 1)
     scale = offline.abs().max()
     assert (steps - offline).abs().max() <= 1e-5 * scale
+    assert (streamed - offline).abs().max() <= 1e-5 * scale
     assert (prefill - offline).abs().max() <= 1e-5 * scale
     assert cache.offset == prefill_cache.offset == 300
     kv = [c for c in cache.layers if isinstance(c, KVCache)]
@@ -204,7 +213,7 @@ def test_cache_dtypes_follow_reference_promotion_bf16(make_checkpoint, reference
             if t < 4:
                 xm, xt = xm.astype(mx.bfloat16), xt.to(torch.bfloat16)
             ref_h = stt(xm, cache=ref_cache).hidden_states
-            h = model.llm.forward_step(xt, cache)
+            h = model.llm(xt, cache)
             assert h.dtype == MX_DTYPES[ref_h.dtype]
             for i, (a, b) in enumerate(zip(ours, ref_cache)):
                 if isinstance(a, MambaCache):
@@ -277,8 +286,8 @@ def test_fuse_keeps_outputs(request, ckpt_name, packed):
         torch.testing.assert_close(fused.llm(x), model.llm(x), rtol=1e-6, atol=1e-6)
         c1, c2 = model.llm.new_cache(), fused.llm.new_cache()
         for t in range(x.shape[1]):
-            a = language_heads(model.llm.forward_step(x[:, t:t + 1], c1), model.lm_head, model.function_head)
-            b = language_heads(fused.llm.forward_step(x[:, t:t + 1], c2), heads)
+            a = language_heads(model.llm(x[:, t:t + 1], c1), model.lm_head, model.function_head)
+            b = language_heads(fused.llm(x[:, t:t + 1], c2), heads)
             torch.testing.assert_close(b.text_logits, a.text_logits, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(b.function_logits, a.function_logits, rtol=1e-6, atol=1e-6)
             assert torch.equal(b.ids, a.ids)
@@ -308,7 +317,7 @@ def test_step_path_has_no_host_sync(ckpt_q4):
     with torch.no_grad(), _NoHostSync():
         for t in range(3):
             fused = fused_input(model.embed_tokens, text, audio[:, t:t + 1], func, 2.0)
-            out = language_heads(model.llm.forward_step(fused, cache), heads)
+            out = language_heads(model.llm(fused, cache), heads)
             text, func = out.text_ids, out.function_ids
     assert out.ids.shape == (1, 1, 2)
 
@@ -319,17 +328,17 @@ def test_bad_input_raises_clear_errors(ckpt_f32):
     with pytest.raises(ValueError, match=r"inputs_embeds must be \[batch, time, 64\], got \[1, 1, 32\]"):
         model.llm(torch.zeros(1, 1, 32))
     with pytest.raises(ValueError, match=r"one position.*got \[1, 2, 64\]"):
-        model.llm.forward_step(torch.zeros(1, 2, 64), cache)
+        model.llm.forward_step(torch.zeros(1, 2, 64), cache, at(model, 0))
     with pytest.raises(ValueError, match="batch 2, the cache batch 1"):
-        model.llm.forward_step(torch.zeros(2, 1, 64), cache)
+        model.llm.forward_step(torch.zeros(2, 1, 64), cache, at(model, 0, 2))
     config = Checkpoint(ckpt_f32).config.text_config
     other = NemotronHModel(TextConfig(**{**config.__dict__, "hybrid_override_pattern": "*-M"}))
     with pytest.raises(ValueError, match="cache has 3 layers, the model 8"):
-        model.llm.forward_step(torch.zeros(1, 1, 64), other.new_cache())
+        model.llm.forward_step(torch.zeros(1, 1, 64), other.new_cache(), at(model, 0))
     wrong = model.llm.new_cache()
     wrong.layers[0], wrong.layers[3] = wrong.layers[3], wrong.layers[0]
     with pytest.raises(ValueError, match=r"cache layer 0 is KVCache, layer 0 \('M'\) needs MambaCache"):
-        model.llm.forward_step(torch.zeros(1, 1, 64), wrong)
+        model.llm.forward_step(torch.zeros(1, 1, 64), wrong, at(model, 0))
     with pytest.raises(ValueError, match=r"ids \[1, 2\] \(text\) and \[1, 1\] \(function\)"):
         fused_input(model.embed_tokens, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1, 64),
                     torch.zeros(1, 1, dtype=torch.long), 2.0)

@@ -6,6 +6,7 @@ Float32 tiny random checkpoints written by the reference itself (see mlx_oracle.
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -127,28 +128,30 @@ def test_dft_stft_matches_torch_stft(ours, audio):
 
 
 def test_log_mel_streaming_joins_offline(ours, audio):
+    """80 ms pushes give 1, 8, 8, ... frames (right-aligned in each row), which join to the offline
+    pass; two streams side by side, one a frame behind, give each its own."""
     mel = ours.perception.log_mel
     x = torch.from_numpy(audio)
-    offline = mel(x)
-    cache = mel.new_cache()
-    chunks, pos, sizes = [], 0, [777, 1013, 333, 2048, 1, 5000, 160, 159, 2]
-    while pos < x.shape[0]:
-        n = sizes[len(chunks) % len(sizes)]
-        chunks.append(mel.forward_step(x[pos:pos + n], cache))
-        pos += n
-        assert cache.samples.shape[0] <= 320 + 1280 + 5000  # look-behind + lookahead + one push
-    chunks.append(mel.flush(cache))
-    streamed = torch.cat(chunks, dim=1)
-    assert streamed.shape == offline.shape
-    assert_log_mel_close(streamed.numpy(), offline.numpy(), power_tol=2e-6)
-
-    cache = mel.new_cache()
-    counts = [mel.forward_step(x[i:i + FRAME], cache).shape[1] for i in range(0, 12 * FRAME, FRAME)]
-    assert counts == [1] + [8] * 11
-    assert cache.samples.shape[0] == 2 * 160 + FRAME - 160  # two frames of look-behind + the lookahead
-    mel.flush(cache)
-    with pytest.raises(RuntimeError, match="flushed"):
-        mel.forward_step(x[:10], cache)
+    frames = 12
+    offline = mel(x)[:, :1 + 8 * (frames - 1)]
+    cache = mel.new_cache(2)
+    rows: list[list[torch.Tensor]] = [[], []]
+    for i in range(frames + 1):
+        # row 0 pushes frame i; row 1 starts a frame later (its first push: zeros, then the stream)
+        push = torch.stack([x[i * FRAME:(i + 1) * FRAME], x[(i - 1) * FRAME:i * FRAME] if i else torch.zeros(FRAME)])
+        if i == 1:
+            cache.frames[1] = 0  # row 1's stream starts here
+            cache.samples[1] = 0
+        out = mel.forward_step(push, cache)
+        assert out.shape == (2, 8, 128)
+        for r in (0, 1):
+            first = i == r
+            rows[r].append(out[r:r + 1, -1:] if first else out[r:r + 1])
+    for r in (0, 1):
+        streamed = torch.cat(rows[r][r:r + frames], dim=1)
+        assert streamed.shape == offline.shape
+        assert_log_mel_close(streamed.numpy(), offline.numpy(), power_tol=2e-6)
+    assert cache.frames.tolist() == [frames + 1, frames]
 
 
 def test_log_mel_rejects_bad_input(ours):
@@ -157,10 +160,8 @@ def test_log_mel_rejects_bad_input(ours):
         mel(torch.zeros(2, 1000))
     with pytest.raises(ValueError, match="100 samples"):
         mel(torch.zeros(100))
-    cache = mel.new_cache()
-    assert mel.forward_step(torch.zeros(100), cache).shape == (1, 0, 128)
-    with pytest.raises(ValueError, match="100 samples"):
-        mel.flush(cache)
+    with pytest.raises(ValueError, match=r"expected frames \[B, 1280\].*\(1, 100\)"):
+        mel.forward_step(torch.zeros(1, 100), mel.new_cache())
 
 
 # --------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def stream(perception: Perception, audio: np.ndarray, frames: int):
     out = []
     with torch.no_grad():
         for i in range(frames):
-            mel = perception.log_mel.forward_step(torch.from_numpy(audio[i * FRAME:(i + 1) * FRAME]), mel_cache)
+            mel = perception.log_mel.forward_step(torch.from_numpy(audio[None, i * FRAME:(i + 1) * FRAME]), mel_cache)
             out.append(perception.forward_step(mel, cache))
     return torch.cat([p for p, _ in out], 1), torch.cat([e for _, e in out], 1)
 
@@ -259,17 +260,15 @@ def test_xscaling_streams_like_offline(ours, audio):
     np.testing.assert_allclose(streamed.numpy(), offline[:, :12].numpy(), rtol=0, atol=1e-4)
 
 
-def test_forward_step_requires_the_cadence(ours):
+def test_forward_step_checks_its_input(ours):
     perception = ours.perception
     cache = perception.new_cache()
     with torch.no_grad():
-        with pytest.raises(ValueError, match="got 8 mel frames after 0 consumed.*expected 1"):
-            perception.forward_step(torch.zeros(1, 8, 128), cache)
-        perception.forward_step(torch.zeros(1, 1, 128), cache)
-        with pytest.raises(ValueError, match="got 5 mel frames after 1 consumed.*expected 8"):
-            perception.forward_step(torch.zeros(1, 5, 128), cache)
-        with pytest.raises(ValueError, match=r"mel \[1, T, 128\].*\(1, 8, 80\)"):
-            perception.forward_step(torch.zeros(1, 8, 80), cache)
+        for shape in ((1, 1, 128), (2, 8, 128), (1, 8, 80)):
+            with pytest.raises(ValueError, match=r"expected mel \[1, 8, 128\].*" + re.escape(str(shape))):
+                perception.forward_step(torch.zeros(shape), cache)
+        perception.forward_step(torch.zeros(1, 8, 128), cache)
+    assert cache.frames.tolist() == [1]
 
 
 def test_uncached_fallback_matches_reference(ours, ref):
@@ -309,7 +308,7 @@ def test_rnnt_streaming_state_follows_the_reference(ours, ref, ref_offline):
     for t in range(ref_offline.encoded_mx.shape[1]):
         ref_state.step(ref_offline.encoded_mx[:, t:t + 1])
         with torch.no_grad():
-            ids = transcriber.step(torch.from_numpy(ref_offline.encoded[:, t:t + 1]), state)
+            ids = transcriber.forward_step(torch.from_numpy(ref_offline.encoded[:, t:t + 1]), state)
         emitted += int((ids >= 0).sum())
         # the reference recomputes its next prediction from (last token, hidden): do the same here
         token = None if ref_state.last_token == blank else mx.array([[ref_state.last_token]], dtype=mx.int32)
@@ -359,7 +358,7 @@ def test_rnnt_transcript_matches_reference_offline_and_streaming(ours, ref, ref_
     text, state, full_frames = TranscriptText(ours.config.rnnt_vocabulary), transcriber.new_state(), 0
     with torch.no_grad():
         for t in range(encoded.shape[1]):
-            ids = transcriber.step(encoded[:, t:t + 1], state)
+            ids = transcriber.forward_step(encoded[:, t:t + 1], state)[:, 0]
             assert ids.shape == (10,) and ids.dtype == torch.long
             full_frames += int((ids >= 0).all())
             assert text.update(ids.tolist()) == ref_updates[t], f"frame {t}"
@@ -402,12 +401,12 @@ def test_step_paths_never_read_the_host():
         perception = Perception(audio_config)
         transcriber = RnntTranscriber(RnntDecoder(audio_config.decoder), RnntJoint(audio_config.joint), 1024, 10)
     mel_cache, cache, state = perception.log_mel.new_cache(), perception.new_cache(), transcriber.new_state()
-    samples = torch.zeros(FRAME, device="meta")
+    samples = torch.zeros(1, FRAME, device="meta")
     with torch.no_grad():
         for _ in range(3):
             projected, encoded = perception.forward_step(perception.log_mel.forward_step(samples, mel_cache), cache)
-            ids = transcriber.step(encoded, state)
-    assert projected.shape == (1, 1, 4480) and encoded.shape == (1, 1, 1024) and ids.shape == (10,)
+            ids = transcriber.forward_step(encoded, state)
+    assert projected.shape == (1, 1, 4480) and encoded.shape == (1, 1, 1024) and ids.shape == (10, 1)
 
 
 def test_cache_sizes_constant_after_200_frames(ours):
@@ -421,14 +420,14 @@ def test_cache_sizes_constant_after_200_frames(ours):
 
     with torch.no_grad():
         for i in range(200):
-            mel = perception.log_mel.forward_step(x[i * FRAME:(i + 1) * FRAME], mel_cache)
+            mel = perception.log_mel.forward_step(x[None, i * FRAME:(i + 1) * FRAME], mel_cache)
             _, encoded = perception.forward_step(mel, cache)
-            transcriber.step(encoded, state)
+            transcriber.forward_step(encoded, state)
             if i == 9:
                 early = footprint()
     assert footprint() == early  # same sizes, same (in-place) cache buffers
-    assert cache.kv.shape[3] == 71 and cache.conv.shape[-1] == 2 * 9 and cache.mel.shape[1] == 17
-    assert cache.frames == 200 and cache.consumed == 1 + 8 * 199
+    assert cache.kv.shape[4] == 71 and cache.conv.shape[-1] == 2 * 9 and cache.mel.shape[1] == 17
+    assert cache.frames.tolist() == mel_cache.frames.tolist() == [200]
 
 
 # --------------------------------------------------------------------------------------

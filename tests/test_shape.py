@@ -69,6 +69,24 @@ def import_graph(known: dict[str, Path]) -> dict[str, set[str]]:
     return {m: {t for t, _ in imports(m, p, known) if t not in faces} for m, p in known.items() if m not in faces}
 
 
+def two_streaming_steps(source: str) -> list[str]:
+    """Classes that define ``forward_step`` and a second per-row step beside it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            names = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            if "forward_step" in names and names & SECOND_STEPS:
+                found.append(node.name)
+    return found
+
+
+def test_one_streaming_step_per_class():
+    """Each network has one streaming step, ``forward_step(x, cache)``, for one row or many."""
+    two = {str(p.relative_to(PACKAGE.parent)): names for p in PACKAGE.rglob("*.py")
+           if (names := two_streaming_steps(p.read_text()))}
+    assert not two
+
+
 def test_no_import_cycle():
     found = cycles(import_graph(modules()))
     assert not found, "import cycles: " + "; ".join(" -> ".join(found_cycle) for found_cycle in found)
@@ -88,7 +106,8 @@ def test_no_file_is_over_600_lines():
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
-    """The checks above on a made-up package: a cycle through a TYPE_CHECKING import, a private import."""
+    """The checks above on made-up code: a cycle through a TYPE_CHECKING import, a private import, a
+    class with two streaming steps."""
     root = tmp_path / "pkg"
     root.mkdir()
     (root / "__init__.py").write_text("from .a import A\n")
@@ -98,4 +117,6 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     known = modules(root)
     assert cycles(import_graph(known)) == [["pkg.a", "pkg.b", "pkg.a"]]
     assert ("pkg.c", "_hidden") in imports("pkg.b", root / "b.py", known)
+    assert two_streaming_steps("class N:\n    def forward_step(self): ...\n    def forward_rows(self): ...\n"
+                               "class M:\n    def forward_step(self): ...\n") == ["N"]
 
