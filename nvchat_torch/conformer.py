@@ -115,43 +115,45 @@ class RelPositionAttention(nn.Module):
         out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=self.scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, t, d))
 
-    def position_scores(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
+    def position_scores(self, q_v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The position term of a step's scores per row, ``[B, H, 1, W]``, for ``q_v [B, H, 1, hd]``.
 
-        ``stream_pos`` [W, d] is the encoder's streaming distance table (pre-multiplied by the score
-        scale); ``columns [B, W]`` picks for each row's ring slots the distance of the frame each holds.
+        ``positions [B, W, d]``: each row's ring slots' rows of the encoder's streaming distance table
+        (pre-multiplied by the score scale; see :meth:`FastConformer.forward_step`).
         ``(q + v) . linear_pos(s) == ((q + v) @ W_pos_head) . s``: the query is projected, not the window."""
         w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1).to(q_v.dtype)
-        return torch.matmul(q_v, w_pos) @ stream_pos[columns].to(q_v.dtype).transpose(1, 2)[:, None]
+        return torch.matmul(q_v, w_pos) @ positions.to(q_v.dtype).transpose(1, 2)[:, None]
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", stream_pos: torch.Tensor,
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", positions: torch.Tensor,
                      residual: torch.Tensor) -> torch.Tensor:
         """One frame per stream, each at its own: ``x [B, 1, d]`` against the cached window ``kv [2, B, H,
         W, hd]`` (this layer's key/value ring); each row writes its slot and attends its filled slots
-        (``rows``). Returns ``residual + attention(x)``."""
+        (``rows``); ``positions``: the distance terms of its slots (:meth:`position_scores`). Returns
+        ``residual + attention(x)``."""
         b = x.shape[0]
         q_u, q_v, kv_new = self.project(x)
         kv[:, rows.batch, :, rows.slot] = kv_new.view(b, 2, self.n_heads, self.head_dim)
         q_v = q_v.view(b, self.n_heads, 1, self.head_dim)
-        bias = self.position_scores(q_v, rows.columns, stream_pos) + rows.mask.to(q_v.dtype)
-        out = F.scaled_dot_product_attention(q_u.view(b, self.n_heads, 1, self.head_dim), kv[0], kv[1],
-                                             attn_mask=bias, scale=self.scale)
+        bias = self.position_scores(q_v, positions)
+        if rows.mask is not None:  # a ring not yet full
+            bias = bias + rows.mask.to(q_v.dtype)
+        held = rows.length  # the slots in use: all, or the first ones while aligned rows fill the ring
+        out = F.scaled_dot_product_attention(q_u.view(b, self.n_heads, 1, self.head_dim), kv[0, :, :, :held],
+                                             kv[1, :, :, :held], attn_mask=bias, scale=self.scale)
         return add_linear(residual, self.linear_out, out.reshape(b, 1, -1))
 
 
 class FusedRelPositionAttention(RelPositionAttention):
     """``prepare()``'s swap for :class:`RelPositionAttention`: one matmul for q + u, q + v, k and v
     (``linear_quvkv``: linear_q appears twice in its weight and the position biases u, v join its
-    bias, so the per-step bias additions disappear too), and ``pos_table``, ``linear_pos`` of the
-    streaming distance table per head, twice over (``[H, hd, 2W]``), so a frame's rotation of it is
-    a slice, not a roll and a projection."""
+    bias, so the per-step bias additions disappear too); the position term reads ``linear_pos`` of the
+    streaming distance table per head, which :meth:`FastConformer.fuse` stacks for all layers
+    (``pos_tables``), so a step picks every layer's rows in one gather, with no projection."""
 
     def __init__(self, attention: RelPositionAttention, stream_pos: torch.Tensor):
         """``stream_pos``: the encoder's streaming distance table in the activation dtype, which the
         table and the fused bias take (q + u is computed there)."""
         adopt(self, attention)
-        table = self.linear_pos(stream_pos).view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)  # [H, hd, W]
-        self.register_buffer("pos_table", torch.cat([table, table], dim=-1).detach().contiguous(), persistent=False)
         fused = concat_linears([self.linear_q, self.linear_q, self.linear_k, self.linear_v])
         dtype = promoted(stream_pos, fused.weight)
         bias = fused.weight.new_zeros(fused.weight.shape[0], dtype=dtype) if fused.bias is None else fused.bias.data.to(dtype)
@@ -163,8 +165,13 @@ class FusedRelPositionAttention(RelPositionAttention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear_quvkv(x).split([self.d_model, self.d_model, 2 * self.d_model], dim=-1)
 
-    def position_scores(self, q_v: torch.Tensor, columns: torch.Tensor, stream_pos: torch.Tensor) -> torch.Tensor:
-        return q_v @ self.pos_table[:, :, columns].permute(2, 0, 1, 3)  # table [H, hd, B, W]
+    def table(self, stream_pos: torch.Tensor) -> torch.Tensor:
+        """``linear_pos`` of the distance table per head, ``[H, hd, W]``."""
+        return self.linear_pos(stream_pos).view(-1, self.n_heads, self.head_dim).permute(1, 2, 0)
+
+    def position_scores(self, q_v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``positions [H, hd, B, W]``: this layer's table at each row's slots (one gather for all layers)."""
+        return q_v @ positions.permute(2, 0, 1, 3)
 
 
 class ConvModule(nn.Module):
@@ -188,17 +195,13 @@ class ConvModule(nn.Module):
         g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
         return self._finish(self.depthwise_conv(g).transpose(1, 2))
 
-    def forward_step(self, x: torch.Tensor, ring: torch.Tensor, rows: "ConformerRows",
-                     residual: torch.Tensor) -> torch.Tensor:
-        """One frame per stream ``x [B, 1, d]`` -> ``residual + conv(x)``. ``ring [B, d, 2 * kernel]`` holds the
-        GLU outputs of each row's last ``kernel`` frames twice over: frame t at columns ``t % kernel`` and
-        ``t % kernel + kernel`` (``rows.conv_slots``, written in one op), so its window is the ``kernel``
-        columns from ``t % kernel + 1`` (``rows.conv_window``), zeros before the first frame."""
-        b, d = x.shape[0], ring.shape[1]
-        ring.scatter_(2, rows.conv_slots.expand(b, d, 2), self._glu(x).transpose(1, 2).expand(-1, -1, 2))
-        window = ring.gather(2, rows.conv_window.expand(b, d, self.kernel_size))
+    def forward_step(self, x: torch.Tensor, state: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame per stream ``x [B, 1, d]`` -> ``(residual + conv(x), next state)``. ``state [B, d,
+        kernel - 1]`` holds each row's GLU outputs of its last ``kernel - 1`` frames, oldest first (zeros
+        before its first): the window is them and this frame's, one cat, whatever frame each row is at."""
+        window = torch.cat([state, self._glu(x).transpose(1, 2)], dim=2)
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
-        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0])
+        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window[..., 1:]
 
 
 class ConformerLayer(nn.Module):
@@ -222,13 +225,14 @@ class ConformerLayer(nn.Module):
         x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x)
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_ring: torch.Tensor, rows: "ConformerRows",
-                     stream_pos: torch.Tensor) -> torch.Tensor:
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_state: torch.Tensor, rows: "ConformerRows",
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame per stream; returns it and the convolution's next state (``kv`` is written in place)."""
         x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn.forward_step(self.norm_self_att(x), kv, rows, stream_pos, residual=x)
-        x = self.conv.forward_step(self.norm_conv(x), conv_ring, rows, residual=x)
+        x = self.self_attn.forward_step(self.norm_self_att(x), kv, rows, positions, residual=x)
+        x, conv_state = self.conv.forward_step(self.norm_conv(x), conv_state, residual=x)
         x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
-        return self.norm_out(x)
+        return self.norm_out(x), conv_state
 
 
 class CausalSubsampling(nn.Module):
@@ -285,15 +289,21 @@ class ConformerCache:
     preallocated and written in place.
 
     ``kv [layers, 2, B, heads, left+1, head_dim]``: per layer a ring of the keys and values of the last
-    ``left`` frames plus the current one (frame n in slot n mod (left+1)); ``conv [layers, B, d_model,
-    2 * kernel]``: per convolution module a ring of its last ``kernel`` GLU outputs, each stored twice
-    (see :meth:`ConvModule.forward_step`); ``mel [B, M, features]``: the subsampling's window of past
+    ``left`` frames plus the current one (frame n in slot n mod (left+1)); ``conv``: per layer ``[B,
+    d_model, kernel - 1]``, its convolution's last GLU outputs (see :meth:`ConvModule.forward_step`),
+    replaced each step; ``mel [B, M, features]``: the subsampling's window of past
     mel frames, right-aligned; ``frames [B]`` (long, on the device): each row's encoder frames so far."""
 
     kv: torch.Tensor
-    conv: torch.Tensor
+    conv: list[torch.Tensor]
     mel: torch.Tensor
     frames: torch.Tensor
+    # Host-side knowledge (the engine sets it from its rows; a lone stream keeps it): the frames every
+    # row has run at least, and whether they have all run that many. Once all rows are past their
+    # first frames their mel windows need no masking; aligned rows attend the ring slots filled so far
+    # (a slice), and rows at different frames mask theirs until every ring is full.
+    least: int = 0
+    aligned: bool = True
 
 
 @dataclass
@@ -303,9 +313,8 @@ class ConformerRows:
     batch: torch.Tensor  # [B] row numbers
     slot: torch.Tensor  # [B] the attention ring slot of this frame
     columns: torch.Tensor  # [B, W] distance-table column of every ring slot
-    mask: torch.Tensor  # [B, 1, 1, W] 0 for filled slots, -inf before a row's first frames
-    conv_slots: torch.Tensor  # [B, 1, 2] the convolution ring columns this frame is written to
-    conv_window: torch.Tensor  # [B, 1, kernel] the columns of the last kernel frames
+    mask: torch.Tensor | None  # [B, 1, 1, length] 0 for filled slots, -inf before a row's first frames (None: all filled)
+    length: int  # the ring slots attended: W, or the filled ones of aligned rows
 
 
 class FastConformer(nn.Module):
@@ -328,6 +337,7 @@ class FastConformer(nn.Module):
         # The reference's float32 mel promotes every layer to float32, whatever the weights' dtype;
         # the opt-in fast mode sets bf16/fp16 here (see VoiceChatModel.activation_dtype).
         self.activation_dtype = torch.float32
+        self.register_buffer("pos_tables", None, persistent=False)  # fuse(): every layer's position table
         self.init_constants()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
@@ -337,15 +347,22 @@ class FastConformer(nn.Module):
         distance = (window - torch.arange(window, device=device)) % window
         scale = (self.d_model // self.config.n_heads) ** -0.5
         self.register_buffer("stream_pos", relative_positions(distance, self.d_model) * scale, persistent=False)
-        # Columns of the convolution ring (see ConvModule.forward_step) that frame t is written to.
-        kernel = self.config.conv_kernel_size
-        first = torch.arange(kernel, device=device)
-        self.register_buffer("conv_slots", torch.stack([first, first + kernel], dim=1), persistent=False)
+        self.register_buffer("ring_slots", torch.arange(window, device=device), persistent=False)
+        if self.pos_tables is not None:
+            self._stack_tables()
 
     def fuse(self) -> None:
-        """Post-load transform (outputs unchanged): :class:`FusedRelPositionAttention` in every layer."""
+        """Post-load transform (outputs unchanged): :class:`FusedRelPositionAttention` in every layer, and
+        their position tables stacked (``pos_tables [layers, H, hd, W]``)."""
         stream_pos = self.stream_pos.to(self.activation_dtype)
         swap_modules(self, RelPositionAttention, lambda attention: FusedRelPositionAttention(attention, stream_pos))
+        self._stack_tables()
+
+    def _stack_tables(self) -> None:
+        stream_pos = self.stream_pos.to(self.activation_dtype)
+        with torch.no_grad():
+            tables = torch.stack([layer.self_attn.table(stream_pos) for layer in self.layers]).contiguous()
+        self.register_buffer("pos_tables", tables, persistent=False)
 
     def _check_mel(self, mel: torch.Tensor, where: str) -> torch.Tensor:
         if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[2] != self.config.feat_in:
@@ -412,7 +429,8 @@ class FastConformer(nn.Module):
         cfg, dtype, device = self.config, self.activation_dtype, self.pre_encode.out.weight.device
         return ConformerCache(
             kv=torch.zeros(cfg.n_layers, 2, batch, cfg.n_heads, self.left + 1, cfg.head_dim, dtype=dtype, device=device),
-            conv=torch.zeros(cfg.n_layers, batch, cfg.d_model, 2 * cfg.conv_kernel_size, dtype=dtype, device=device),
+            conv=[torch.zeros(batch, cfg.d_model, cfg.conv_kernel_size - 1, dtype=dtype, device=device)
+                  for _ in range(cfg.n_layers)],
             mel=torch.zeros(batch, self.mel_context, cfg.feat_in, dtype=dtype, device=device),
             frames=torch.zeros(batch, dtype=torch.long, device=device))
 
@@ -431,21 +449,30 @@ class FastConformer(nn.Module):
         n = cache.frames
         window = torch.cat([cache.mel, mel], dim=1)  # [B, m + s, F]
         cache.mel.copy_(window[:, -m:])
-        # Mel frames this row has pushed, this one's included: 1, 1 + s, ...; the window starts at m + s minus that.
-        held = torch.where(n == 0, 1, 1 + s * n).clamp(max=m + s)
-        x = self.pre_encode(window, last_only=True, starts=m + s - held)
+        # Mel frames this row has pushed, this one's included: 1, 1 + s, ...; the window starts at m + s minus
+        # that (full from a row's frame -(-m // s) on).
+        starts = None
+        if cache.least < -(-m // s):
+            starts = m + s - torch.where(n == 0, 1, 1 + s * n).clamp(max=m + s)
+        x = self.pre_encode(window, last_only=True, starts=starts)
         if self.xscale is not None:
             x = x * self.xscale
-        w, kernel = self.left + 1, self.config.conv_kernel_size
+        w = self.left + 1
         slot = n % w
-        ring = torch.arange(w, device=n.device)
-        # Slot j holds frame n - ((slot - j) mod w); before the ring is full only slots <= n are filled.
-        rows = ConformerRows(
-            batch=torch.arange(n.shape[0], device=n.device), slot=slot, columns=(ring - slot[:, None]) % w,
-            mask=torch.where(ring <= n[:, None], 0.0, float("-inf"))[:, None, None],
-            conv_slots=self.conv_slots[n % kernel][:, None],
-            conv_window=((n % kernel)[:, None] + 1 + torch.arange(kernel, device=n.device))[:, None])
-        for layer, kv, conv in zip(self.layers, cache.kv, cache.conv):
-            x = layer.forward_step(x, kv, conv, rows, self.stream_pos)
+        # Slot j holds frame n - ((slot - j) mod w); before the ring is full only slots <= n are filled:
+        # the first least + 1 of aligned rows, else masked per row.
+        length = min(cache.least + 1, w) if cache.aligned else w
+        ring = self.ring_slots[:length]
+        mask = None if cache.aligned or cache.least >= w - 1 else \
+            torch.where(ring <= n[:, None], 0.0, float("-inf"))[:, None, None]
+        rows = ConformerRows(batch=torch.arange(n.shape[0], device=n.device), slot=slot,
+                             columns=(ring - slot[:, None]) % w, mask=mask, length=length)
+        # Each row's slots' distance terms, for every layer at once: the stacked tables (fused), or the
+        # shared distance table that each layer then projects.
+        positions = self.pos_tables[:, :, :, rows.columns] if self.pos_tables is not None else \
+            self.stream_pos[rows.columns].expand(len(self.layers), -1, -1, -1)
+        for i, (layer, kv) in enumerate(zip(self.layers, cache.kv)):
+            x, cache.conv[i] = layer.forward_step(x, kv, cache.conv[i], rows, positions[i])
         cache.frames = n + 1
+        cache.least += 1
         return x

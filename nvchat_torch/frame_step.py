@@ -129,17 +129,18 @@ class FrameStep:
         refs: list[tuple[_Ref, int, int]] = [((self._mel, "samples"), 0, 1), ((self._conformer, "mel"), 0, 1),
                                             ((self._rnnt, "hc"), 1, 1), ((self, "_ids"), 0, 1),
                                             ((self, "_codes"), 0, 1), ((self._codec_cache, "spectrum"), 0, 1)]
+        refs += [((self._conformer.conv, i), 0, 1) for i in range(len(self._conformer.conv))]
         refs += [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
-        refs += [((c, "ssm_state"), 0, 1) for c in self._language.layers if isinstance(c, MambaCache)]
+        for c in self._language.layers:
+            if isinstance(c, MambaCache):
+                refs += [((c, "conv_state"), 0, 1), ((c, "ssm_state"), 0, 1)]
         return refs
 
     def _buffers(self) -> list[tuple[_Ref, int, int]]:
         """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
-        refs = self._recurrent() + [((self._conformer, "kv"), 2, 1), ((self._conformer, "conv"), 1, 1)]
+        refs = self._recurrent() + [((self._conformer, "kv"), 2, 1)]
         for c in self._language.layers:
-            if isinstance(c, MambaCache):
-                refs.append(((c, "conv_state"), 0, 1))
-            elif isinstance(c, KVCache):
+            if isinstance(c, KVCache):
                 refs += [((c, "keys"), 0, 1), ((c, "values"), 0, 1)]
         for buffers in (self._tts.keys, self._tts.values):
             refs += [((buffers, i), 0, 2) for i in range(len(buffers))]
@@ -262,35 +263,50 @@ class FrameStep:
             if tts_runs:
                 generators[r] = given.generator
         everyone = len(inputs) == batch
-        deterministic: bool | torch.Tensor = all(g is None for g in generators)
+        # The TTS's modes: all rows deterministic, all that draw this step sampling, or a mix (per row).
+        # One session's generator is passed as itself: the same draws as a list of one, fewer ops.
+        samplers = [g for g in generators if g is not None]
+        deterministic: bool | torch.Tensor = not samplers
+        mixed = bool(samplers) and any(generators[r] is None and ints[4, r] for r in inputs)
+        generator = generators[0] if batch == 1 else generators
         with torch.inference_mode():
             table = torch.from_numpy(ints).to(device)
             frame_index, llm_pos, tts_pos = table[0], table[1], table[2]
-            runs, tts_runs, round_keys = table[3].bool(), table[4].bool(), table[5].bool()
-            if deterministic is False:
+            if mixed:
                 deterministic = torch.tensor([g is None for g in generators], device=device)
             saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
-            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index)
+            run = [int(ints[0, r]) for r in inputs]  # the frames each running row has run
+            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index, min(run),
+                                                min(run) == max(run))
             mark()
             transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
             mark()
             fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
                                 cfg.function_channel_weight)
-            hidden = self._language_step(fused, llm_pos, int(ints[1].max()) + 1, round_keys if ints[5].any() else None)
+            round_keys = table[5].bool() if ints[5].any() else None
+            # Rows that run all at the last position (a lone session): no per-row masks to make.
+            end = int(ints[1].max()) + 1
+            hidden = self._language_step(fused, llm_pos, end, round_keys, all(ints[1, r] == end - 1 for r in inputs))
             ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
             for r, given in inputs.items():  # force_tokens / a tool result: queued ids replace this row's outputs
                 if given.tools is not None and given.tools.forcing:
                     ids[r] = given.tools.apply(ids[r])
             self._ids = ids
             mark()
-            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), int(ints[2].max()) + 1,
-                                    self._speech.tts_model.backbone.window)
-            codes = self._speech.step(self._codes, ids[:, 0], self._tts, generators, deterministic, tts_rows)
-            codes = torch.where(tts_runs[:, None, None], codes, self._silence)
-            self._codes = torch.where(tts_runs[:, None, None], codes, self._codes)
+            end = int(ints[2].max()) + 1
+            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), end, self._speech.tts_model.backbone.window,
+                                    all(ints[2, r] == end - 1 for r in inputs))
+            codes = self._speech.step(self._codes, ids[:, 0], self._tts, generator, deterministic, tts_rows)
+            if not ints[4].all():  # a row at timeline position 0 runs no TTS: silence, its codes kept
+                tts_runs = table[4, :, None, None].bool()
+                codes = torch.where(tts_runs, codes, self._silence)
+                self._codes = torch.where(tts_runs, codes, self._codes)
+            else:
+                self._codes = codes
             mark()
             clean = self._speech.replace_control_codes(codes)
             samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
+            runs = table[3].bool() if saved else None
             for ref, axis, per, before in saved:  # rows that sat out: as they were
                 keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
                 _set(ref, torch.where(keep, _get(ref), before))
@@ -306,20 +322,22 @@ class FrameStep:
             row.timeline_index += 1
         return packed, stamps
 
-    def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor, least: int,
+                  aligned: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-mel and one Conformer frame per row: ``(projected [B, 1, H], encoded [B, 1, d])``."""
         if not self.perception_cache:  # the reference's cache-free path: the encoder over recent audio
             self._audio_window = torch.cat([self._audio_window, frames[0]])[-self._window_samples:]
             return self._perception.uncached_frame(self._audio_window)
         self._mel.frames = self._conformer.frames = frame_index
+        self._conformer.least, self._conformer.aligned = least, aligned
         mel = self._perception.log_mel.forward_step(frames, self._mel)
         return self._perception.forward_step(mel, self._conformer)
 
     def _language_step(self, fused: torch.Tensor, positions: torch.Tensor, end: int,
-                       round_keys: torch.Tensor | None) -> torch.Tensor:
+                       round_keys: torch.Tensor | None, uniform: bool) -> torch.Tensor:
         """One LLM position per row, each at its own position."""
         if not self.language_cache:  # the cache-free diagnostic: the whole history every frame
             self._history.append(fused)
             return self._llm(torch.cat(self._history, dim=1))[:, -1:]
-        rows = LanguageRows.make(positions, end, self._llm.config.conv_kernel, round_keys)
+        rows = LanguageRows.make(positions, end, round_keys, uniform)
         return self._llm.forward_step(fused, self._language, rows)

@@ -78,10 +78,14 @@ class Rotary(nn.Module):
         # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation_rows()).
         self.register_buffer("swap", torch.roll(torch.eye(self.dim, device=device), half, dims=0), persistent=False)
 
-    def rotation_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """RoPE at each row's position as a matrix: ``positions [R]`` -> ``M [R, 1, 1, dim, dim]``; ``x @ M``
-        rotates ``x`` (3 ops, shared by every layer of a step, which then rotates with one matmul)."""
-        cos, sin = self.cos[positions], self.sin[positions]
+    def rotation_rows(self, positions: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE at each row's position as a matrix: ``positions [R]`` -> ``M [R, 1, 1, dim, dim]`` (an int:
+        every row there, ``[1, 1, 1, dim, dim]``); ``x @ M`` rotates ``x`` (3 ops, shared by every layer of
+        a step, which then rotates with one matmul)."""
+        if isinstance(positions, int):
+            cos, sin = self.table(positions, 1)
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
         return (torch.diag_embed(cos) + self.swap * sin[:, None]).to(dtype)[:, None, None]
 
     def reserve(self, positions: int) -> None:
@@ -234,22 +238,26 @@ class TTSRows:
     by :meth:`make` and shared by the layers: ``positions [R]`` (long, on the device; a session's two
     rows share theirs), ``end``, the largest plus one, and per row its sliding layers' ring slot. Masks:
     a row attends its positions up to its own (``held [R, 1, 1, end]``), and a sliding layer's ring
-    only as far as the row has filled it (``ring [R, 1, 1, min(end, window)]``)."""
+    only as far as the row has filled it (``ring [R, 1, 1, min(end, window)]``). ``position``: when the
+    caller knows every row is at ``end - 1`` (a lone session), that position, and no masks (every slot
+    held is filled), and the rotations are table slices."""
 
     positions: torch.Tensor
     end: int
     batch: torch.Tensor
     ring_slots: torch.Tensor
-    held: torch.Tensor
-    ring: torch.Tensor
+    held: torch.Tensor | None
+    ring: torch.Tensor | None
+    position: int | None = None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, window: int) -> "TTSRows":
-        slots = torch.arange(end, device=positions.device)
-        held = slots <= positions[:, None]  # a global layer's slot = position
+    def make(cls, positions: torch.Tensor, end: int, window: int, uniform: bool = False) -> "TTSRows":
+        batch = torch.arange(positions.shape[0], device=positions.device)
+        if uniform:
+            return cls(positions, end, batch, positions % window, None, None, end - 1)
+        held = torch.arange(end, device=positions.device) <= positions[:, None]  # a global layer's slot = position
         # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
-        return cls(positions, end, torch.arange(positions.shape[0], device=positions.device), positions % window,
-                   held[:, None, None], held[:, None, None, :window])
+        return cls(positions, end, batch, positions % window, held[:, None, None], held[:, None, None, :window])
 
 
 class GemmaAttention(AttentionProjections):
@@ -366,9 +374,10 @@ class GemmaBackbone(nn.Module):
     def _run(self, x: torch.Tensor, cache: TTSCache | None, masks: dict[bool, torch.Tensor],
              rows: TTSRows | None = None) -> torch.Tensor:
         batch, length, width = x.shape
-        if rows is not None:  # one rotation matrix per row and RoPE base
-            tables = {False: (self.rope_global.rotation_rows(rows.positions, x.dtype),),
-                      True: (self.rope_local.rotation_rows(rows.positions, x.dtype),)}
+        if rows is not None:  # one rotation matrix per row (or for all) and RoPE base
+            at = rows.positions if rows.position is None else rows.position
+            tables = {False: (self.rope_global.rotation_rows(at, x.dtype),),
+                      True: (self.rope_local.rotation_rows(at, x.dtype),)}
         else:
             tables = {False: self.rope_global.table(0, length), True: self.rope_local.table(0, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes
@@ -393,7 +402,7 @@ class GemmaBackbone(nn.Module):
     def rows_at(self, cache: TTSCache, rows: int = 2) -> TTSRows:
         """``rows`` rows all at ``cache.offset``: one stream's step (its conditional and unconditional rows)."""
         positions = torch.full((rows,), cache.offset, dtype=torch.long, device=self.norm.weight.device)
-        return TTSRows.make(positions, cache.offset + 1, self.window)
+        return TTSRows.make(positions, cache.offset + 1, self.window, uniform=True)
 
     def forward_step(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows | None = None) -> torch.Tensor:
         """The streaming step: one position per row ``[R, 1, H]``, each at its own ``rows.positions``,

@@ -72,8 +72,8 @@ class GatedRMSNorm(nn.Module):
 
 @dataclass
 class MambaCache:
-    # [B, 2K, conv_dim]: the last K raw (pre-conv) xBC rows, each twice (row r at r % K and r % K + K),
-    # so that the conv window of a step is a contiguous view and one index_copy_ updates it.
+    # [B, K - 1, conv_dim]: the last K - 1 raw (pre-conv) xBC rows, oldest first (MLX's layout): a step's
+    # window is them and its input, one cat, and the next state is a view of that window.
     conv_state: torch.Tensor
     ssm_state: torch.Tensor  # [B, heads, head_dim, state] float32
     offset: int = 0  # positions consumed so far
@@ -161,28 +161,22 @@ class LanguageRows:
     by :meth:`make` and shared by the layers.
 
     ``positions [B]``: each row's position (long, on the device); ``end``: the largest plus one, how
-    many key/value slots the step attends (rows mask theirs past their own position: ``mask [B, 1, 1,
-    end]``). ``ring_write [B, 2]`` and ``ring_read [B, K]``: the Mamba conv-ring rows each row writes
-    and reads at its phase (see MambaCache). ``round_keys [B]`` or None: rows whose keys and values are
-    still stored in bf16, as the reference's cache of a bf16 prompt keeps them until its next 256-slot
-    block (see KVCache)."""
+    many key/value slots the step attends (rows block theirs past their own position: ``blocked [B, 1,
+    1, end]``, None when every row that matters is at ``end - 1``: ``make(..., uniform=True)``). ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as the
+    reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
 
     positions: torch.Tensor
     end: int
     batch: torch.Tensor
-    mask: torch.Tensor
-    ring_write: torch.Tensor
-    ring_read: torch.Tensor
+    blocked: torch.Tensor | None
     round_keys: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, conv_kernel: int,
-             round_keys: torch.Tensor | None = None) -> "LanguageRows":
-        device, phase = positions.device, positions % conv_kernel
-        mask = torch.arange(end, device=device) <= positions[:, None]
-        ring_read = phase[:, None] + 1 + torch.arange(conv_kernel, device=device)
-        return cls(positions, end, torch.arange(positions.shape[0], device=device), mask[:, None, None],
-                   torch.stack([phase, phase + conv_kernel], dim=1), ring_read, round_keys)
+    def make(cls, positions: torch.Tensor, end: int, round_keys: torch.Tensor | None = None,
+             uniform: bool = False) -> "LanguageRows":
+        """``uniform``: the caller knows every row is at ``end - 1`` (a lone session), so nothing is blocked."""
+        blocked = None if uniform else (torch.arange(end, device=positions.device) > positions[:, None])[:, None, None]
+        return cls(positions, end, torch.arange(positions.shape[0], device=positions.device), blocked, round_keys)
 
 
 @dataclass
@@ -269,12 +263,6 @@ class NemotronHMamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.n_groups, config.layer_norm_epsilon)
         self.out_proj = Linear(self.d_inner, config.hidden_size, bias=config.mamba_proj_bias)
-        self.init_constants()
-
-    def init_constants(self, device: torch.device | str | None = None) -> None:
-        # The two conv_state rows a step's input goes to (see MambaCache.conv_state), by offset % K.
-        first = torch.arange(self.kernel, device=device)
-        self.register_buffer("ring_slots", torch.stack([first, first + self.kernel], 1), persistent=False)
 
     def decay_rates(self) -> torch.Tensor:
         """``A = -exp(A_log)`` per head, float32."""
@@ -299,35 +287,20 @@ class NemotronHMamba2Mixer(nn.Module):
                                          device=device, dtype=old.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None, rows: LanguageRows | None = None) -> torch.Tensor:
-        """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU."""
-        K, L = self.kernel, xBC.shape[1]
-        if rows is not None:  # one step per row, each at its own ring phase
-            ring = cache.conv_state
-            b, c = ring.shape[0], ring.shape[2]
-            ring.scatter_(1, rows.ring_write[..., None].expand(b, 2, c), xBC.to(ring.dtype).expand(-1, 2, -1))
-            window = ring.gather(1, rows.ring_read[..., None].expand(b, K, c))
-        elif cache is None:
+    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+        """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU. The
+        cache keeps the last K - 1 inputs, whatever row is at what position (a step's window is the same
+        cat for one row or many)."""
+        K = self.kernel
+        if cache is None:
             window = F.pad(xBC, (0, 0, K - 1, 0))
         else:
-            ring = cache.conv_state
-            if cache.offset == 0 and ring.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
-                ring = ring.to(xBC.dtype)
-            elif ring.dtype != xBC.dtype and torch.promote_types(ring.dtype, xBC.dtype) != ring.dtype:
-                # a wider input promotes it for good
-                ring = ring.to(xBC.dtype)
-            cache.conv_state = ring
-            t = cache.offset
-            if L == 1:
-                p = t % K
-                ring.index_copy_(1, self.ring_slots[p], xBC.to(ring.dtype).expand(-1, 2, -1))
-                window = ring[:, p + 1:p + 1 + K]
-            else:
-                p = (t - 1) % K  # where the last cached row sits
-                window = torch.cat((ring[:, p + 2:p + 1 + K], xBC), 1)
-                for r in range(t + L - min(L, K), t + L):  # keep the last K rows (a prefill, not a step)
-                    ring[:, r % K] = ring[:, r % K + K] = window[:, r - t + K - 1]
-            cache.offset += L
+            state = cache.conv_state
+            if cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
+                state = state.to(xBC.dtype)
+            window = torch.cat((state, xBC), 1)  # MLX's concat: a wider input promotes the state for good
+            cache.conv_state = window[:, -(K - 1):]
+            cache.offset += xBC.shape[1]
         # MLX's conv layer in the promoted dtype (layers.Conv1d): bf16 rounds the conv, then adds the bias
         out = self.conv1d(window.transpose(1, 2)).transpose(1, 2)
         return silu(out)
@@ -364,11 +337,12 @@ class NemotronHMamba2Mixer(nn.Module):
         return cb.unsqueeze(-1) * dtx + decay.unsqueeze(-1) * y_prev
 
     def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None) -> torch.Tensor:
+        """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is)."""
         b, L, _ = x.shape
         projected = self.in_proj(x)
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
         z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
-        xBC = self._conv(xBC, cache, rows)
+        xBC = self._conv(xBC, cache)
         gn = self.n_groups * self.state_size
         xs, B, C = xBC.split((self.d_inner, gn, gn), dim=-1)
         xs = xs.reshape(b, L, self.num_heads, self.head_dim)
@@ -438,8 +412,8 @@ class NemotronHAttention(nn.Module):
         q = (q * self.scale).view(b, L, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * L, d)
         dtype = q.dtype if q.dtype == k.dtype else torch.promote_types(q.dtype, k.dtype)
         scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2)  # [b, kv, rep*L, S]
-        if rows is not None:  # each row attends its own positions
-            scores = scores.masked_fill(~rows.mask, float("-inf"))
+        if rows is not None and rows.blocked is not None:  # each row attends its own positions
+            scores = scores.masked_fill(rows.blocked, float("-inf"))
         elif L > 1:  # causal, the queries being the last L of the S positions
             allowed = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
             scores = scores.view(b, kv, rep, L, S).masked_fill(~allowed, float("-inf")).view(b, kv, rep * L, S)
@@ -515,7 +489,7 @@ class NemotronHModel(nn.Module):
         for block_type in cfg.hybrid_override_pattern:
             if block_type == "M":
                 layers.append(MambaCache(
-                    torch.zeros(batch, 2 * cfg.conv_kernel, cfg.mamba_conv_dim, device=device, dtype=dtype),
+                    torch.zeros(batch, cfg.conv_kernel - 1, cfg.mamba_conv_dim, device=device, dtype=dtype),
                     torch.zeros(batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                                 device=device, dtype=torch.float32)))
             elif block_type == "*":
@@ -570,11 +544,6 @@ class NemotronHModel(nn.Module):
             first.ssm_state if isinstance(first, MambaCache) else first.keys).shape[0]
         if cached_batch is not None and cached_batch != batch:
             raise ValueError(f"inputs_embeds has batch {batch}, the cache batch {cached_batch}")
-
-    def init_constants(self, device: torch.device | str | None = None) -> None:
-        for layer in self.layers:
-            if isinstance(layer.mixer, NemotronHMamba2Mixer):
-                layer.mixer.init_constants(device)
 
     def fuse(self) -> None:
         """Post-load transforms (outputs unchanged): each attention layer's q/k/v as one matmul

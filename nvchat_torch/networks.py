@@ -88,7 +88,6 @@ class VoiceChatNetworks(nn.Module):
         """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
         self.stt_model.perception.init_constants(device)
         self.stt_model.rnnt_decoder.init_constants(device)
-        self.stt_model.llm.init_constants(device)
         self.tts_model.init_constants(device)
 
     def prepare(self, int4: bool = True) -> Self:

@@ -41,7 +41,7 @@ class Language(nn.Module):
 
 def at(model, position: int, batch: int = 1) -> LanguageRows:
     """``batch`` rows at ``position``: a streaming step's placement."""
-    return LanguageRows.make(torch.full((batch,), position), position + 1, model.llm.config.conv_kernel)
+    return LanguageRows.make(torch.full((batch,), position), position + 1)
 
 def _strip(key: str) -> str:
     return key[len("stt_model."):]

@@ -112,7 +112,7 @@ def expected_cache_bytes(config, llm_positions: int, tts_positions: int, element
     text, tts = config.text_config, config.tts_config
     pattern = text.hybrid_override_pattern
     kv = 2 * text.num_key_value_heads * text.head_dim * kv_capacity(llm_positions, text.max_position_embeddings)
-    mamba = 2 * text.conv_kernel * text.mamba_conv_dim + text.mamba_num_heads * text.mamba_head_dim * text.ssm_state_size
+    mamba = (text.conv_kernel - 1) * text.mamba_conv_dim + text.mamba_num_heads * text.mamba_head_dim * text.ssm_state_size
     language = pattern.count("*") * kv * element + pattern.count("M") * mamba * 4
     n_global = tts.num_hidden_layers // tts.sliding_window_pattern
     n_sliding = tts.num_hidden_layers - n_global
