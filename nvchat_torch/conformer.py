@@ -26,7 +26,7 @@ from .layers import Conv1d, Conv2d, LayerNorm, Linear, adopt, promoted, swap_mod
 from .layers import linear as promoted_linear
 from .quant import concat_linears
 
-__all__ = ["FastConformer", "ConformerCache", "RelPositionAttention", "FusedRelPositionAttention",
+__all__ = ["FastConformer", "ConformerCache", "ConformerRows", "RelPositionAttention", "FusedRelPositionAttention",
            "relative_positions"]
 
 # Blocked attention entries get a large finite negative, as in the reference (not -inf).
@@ -434,12 +434,30 @@ class FastConformer(nn.Module):
             mel=torch.zeros(batch, self.mel_context, cfg.feat_in, dtype=dtype, device=device),
             frames=torch.zeros(batch, dtype=torch.long, device=device))
 
-    def forward_step(self, mel: torch.Tensor, cache: ConformerCache) -> torch.Tensor:
+    def rows_for(self, cache: ConformerCache) -> ConformerRows:
+        """Each row's ring slot, distance columns and mask from ``cache.frames`` (and what the host knows:
+        ``cache.least``, ``cache.aligned``). Slot j holds frame n - ((slot - j) mod w); before the ring is
+        full only slots <= n are filled: the first least + 1 of aligned rows, else masked per row."""
+        n, w = cache.frames, self.left + 1
+        slot = n % w
+        length = min(cache.least + 1, w) if cache.aligned else w
+        ring = self.ring_slots[:length]
+        return ConformerRows(batch=torch.arange(n.shape[0], device=n.device), slot=slot,
+                             columns=(ring - slot[:, None]) % w, mask=self.ring_mask(n, cache), length=length)
+
+    def ring_mask(self, frames: torch.Tensor, cache: ConformerCache) -> torch.Tensor | None:
+        """``[B, 1, 1, W]``: 0 on the slots each row has filled, -inf on the rest; None when no row needs it."""
+        w = self.left + 1
+        if cache.aligned or cache.least >= w - 1:
+            return None
+        return torch.where(self.ring_slots <= frames[:, None], 0.0, float("-inf"))[:, None, None]
+
+    def forward_step(self, mel: torch.Tensor, cache: ConformerCache, rows: ConformerRows | None = None) -> torch.Tensor:
         """The streaming step: one encoder frame per stream, ``mel [B, 8, feat_in]`` as
         :meth:`LogMel.forward_step` gives it for an 80 ms frame (a stream's first frame has one mel
         frame, the last) -> ``[B, 1, d]``. Each row at its own frame (``cache.frames``, which advances;
         the engine sets it for rows that sit out): a shorter mel window while it starts, its own ring
-        slots and distances, no slot it has not filled."""
+        slots and distances (``rows``, or :meth:`rows_for` the cache), no slot it has not filled."""
         if mel.dim() != 3 or mel.shape[1:] != (self.subsampling, self.config.feat_in) or \
                 mel.shape[0] != cache.frames.shape[0]:
             raise ValueError(f"FastConformer.forward_step: expected mel [{cache.frames.shape[0]}, {self.subsampling}, "
@@ -457,16 +475,7 @@ class FastConformer(nn.Module):
         x = self.pre_encode(window, last_only=True, starts=starts)
         if self.xscale is not None:
             x = x * self.xscale
-        w = self.left + 1
-        slot = n % w
-        # Slot j holds frame n - ((slot - j) mod w); before the ring is full only slots <= n are filled:
-        # the first least + 1 of aligned rows, else masked per row.
-        length = min(cache.least + 1, w) if cache.aligned else w
-        ring = self.ring_slots[:length]
-        mask = None if cache.aligned or cache.least >= w - 1 else \
-            torch.where(ring <= n[:, None], 0.0, float("-inf"))[:, None, None]
-        rows = ConformerRows(batch=torch.arange(n.shape[0], device=n.device), slot=slot,
-                             columns=(ring - slot[:, None]) % w, mask=mask, length=length)
+        rows = self.rows_for(cache) if rows is None else rows
         # Each row's slots' distance terms, for every layer at once: the stacked tables (fused), or the
         # shared distance table that each layer then projects.
         positions = self.pos_tables[:, :, :, rows.columns] if self.pos_tables is not None else \

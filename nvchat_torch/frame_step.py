@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .conformer import ConformerRows
 from .diagnostics import synchronize
 from .gemma import TTSRows
 from .language_heads import fused_input, language_heads
@@ -269,15 +270,32 @@ class FrameStep:
         deterministic: bool | torch.Tensor = not samplers
         mixed = bool(samplers) and any(generators[r] is None and ints[4, r] for r in inputs)
         generator = generators[0] if batch == 1 else generators
+        # What the host knows of the rows, sent in one copy: the per-row table above, the row numbers,
+        # each session's two TTS rows' positions and sliding-ring slots, the Conformer ring slots and
+        # distance columns (the first `length` slots while the running rows are aligned and filling).
+        run = [int(ints[0, r]) for r in inputs]  # the frames each running row has run
+        least, aligned = min(run), min(run) == max(run)
+        ring = self._perception.encoder.left + 1
+        length = min(least + 1, ring) if aligned else ring
+        slot = ints[0] % ring
+        columns = (np.arange(length) - slot[:, None]) % ring
+        tts2 = np.repeat(ints[2], 2)
+        window = self._speech.tts_model.backbone.window
+        sizes = (6 * batch, 2 * batch, 2 * batch, 2 * batch, batch, batch * length)
+        host = np.concatenate([ints.ravel(), np.arange(2 * batch), tts2, tts2 % window, slot, columns.ravel()])
         with torch.inference_mode():
-            table = torch.from_numpy(ints).to(device)
-            frame_index, llm_pos, tts_pos = table[0], table[1], table[2]
+            table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns = \
+                torch.from_numpy(host).to(device).split(sizes)
+            table = table.view(6, batch)
+            frame_index, llm_pos = table[0], table[1]
             if mixed:
                 deterministic = torch.tensor([g is None for g in generators], device=device)
             saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
-            run = [int(ints[0, r]) for r in inputs]  # the frames each running row has run
-            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index, min(run),
-                                                min(run) == max(run))
+            encoder = self._perception.encoder
+            self._conformer.least, self._conformer.aligned = least, aligned
+            conformer_rows = ConformerRows(row_numbers[:batch], conformer_slot, conformer_columns.view(batch, length),
+                                           encoder.ring_mask(frame_index, self._conformer), length)
+            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index, conformer_rows)
             mark()
             transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
             mark()
@@ -286,7 +304,9 @@ class FrameStep:
             round_keys = table[5].bool() if ints[5].any() else None
             # Rows that run all at the last position (a lone session): no per-row masks to make.
             end = int(ints[1].max()) + 1
-            hidden = self._language_step(fused, llm_pos, end, round_keys, all(ints[1, r] == end - 1 for r in inputs))
+            rows = LanguageRows.make(llm_pos, end, round_keys, all(ints[1, r] == end - 1 for r in inputs),
+                                     row_numbers[:batch])
+            hidden = self._language_step(fused, rows)
             ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
             for r, given in inputs.items():  # force_tokens / a tool result: queued ids replace this row's outputs
                 if given.tools is not None and given.tools.forcing:
@@ -294,8 +314,8 @@ class FrameStep:
             self._ids = ids
             mark()
             end = int(ints[2].max()) + 1
-            tts_rows = TTSRows.make(tts_pos.repeat_interleave(2), end, self._speech.tts_model.backbone.window,
-                                    all(ints[2, r] == end - 1 for r in inputs))
+            tts_rows = TTSRows.make(tts_positions, end, window, all(ints[2, r] == end - 1 for r in inputs),
+                                    row_numbers, tts_ring)
             codes = self._speech.step(self._codes, ids[:, 0], self._tts, generator, deterministic, tts_rows)
             if not ints[4].all():  # a row at timeline position 0 runs no TTS: silence, its codes kept
                 tts_runs = table[4, :, None, None].bool()
@@ -310,9 +330,10 @@ class FrameStep:
             for ref, axis, per, before in saved:  # rows that sat out: as they were
                 keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
                 _set(ref, torch.where(keep, _get(ref), before))
-            # One host read for the whole batch (ids < 2**24 are exact in float32).
-            ints_out = torch.cat([transcript_ids.t(), ids, clean.view(batch, -1)], dim=1)
-            packed = torch.cat([ints_out.float(), samples.view(batch, -1).float()], dim=1).numpy(force=True)
+            # One host read for the whole batch: cat promotes the ids to the samples' float32 (a no-op
+            # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
+            packed = torch.cat([transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()],
+                               dim=1).numpy(force=True)
         stamps.append(time.perf_counter())
         for r in inputs:
             row = self.rows[r]
@@ -322,22 +343,19 @@ class FrameStep:
             row.timeline_index += 1
         return packed, stamps
 
-    def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor, least: int,
-                  aligned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor,
+                  rows: ConformerRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-mel and one Conformer frame per row: ``(projected [B, 1, H], encoded [B, 1, d])``."""
         if not self.perception_cache:  # the reference's cache-free path: the encoder over recent audio
             self._audio_window = torch.cat([self._audio_window, frames[0]])[-self._window_samples:]
             return self._perception.uncached_frame(self._audio_window)
         self._mel.frames = self._conformer.frames = frame_index
-        self._conformer.least, self._conformer.aligned = least, aligned
         mel = self._perception.log_mel.forward_step(frames, self._mel)
-        return self._perception.forward_step(mel, self._conformer)
+        return self._perception.forward_step(mel, self._conformer, rows)
 
-    def _language_step(self, fused: torch.Tensor, positions: torch.Tensor, end: int,
-                       round_keys: torch.Tensor | None, uniform: bool) -> torch.Tensor:
+    def _language_step(self, fused: torch.Tensor, rows: LanguageRows) -> torch.Tensor:
         """One LLM position per row, each at its own position."""
         if not self.language_cache:  # the cache-free diagnostic: the whole history every frame
             self._history.append(fused)
             return self._llm(torch.cat(self._history, dim=1))[:, -1:]
-        rows = LanguageRows.make(positions, end, round_keys, uniform)
         return self._llm.forward_step(fused, self._language, rows)

@@ -251,13 +251,19 @@ class TTSRows:
     position: int | None = None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, window: int, uniform: bool = False) -> "TTSRows":
-        batch = torch.arange(positions.shape[0], device=positions.device)
+    def make(cls, positions: torch.Tensor, end: int, window: int, uniform: bool = False,
+             batch: torch.Tensor | None = None, ring_slots: torch.Tensor | None = None) -> "TTSRows":
+        """``batch`` (the row numbers) and ``ring_slots`` (``positions % window``): if the caller has them
+        on the device already."""
+        if batch is None:
+            batch = torch.arange(positions.shape[0], device=positions.device)
+        if ring_slots is None:
+            ring_slots = positions % window
         if uniform:
-            return cls(positions, end, batch, positions % window, None, None, end - 1)
+            return cls(positions, end, batch, ring_slots, None, None, end - 1)
         held = torch.arange(end, device=positions.device) <= positions[:, None]  # a global layer's slot = position
         # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
-        return cls(positions, end, batch, positions % window, held[:, None, None], held[:, None, None, :window])
+        return cls(positions, end, batch, ring_slots, held[:, None, None], held[:, None, None, :window])
 
 
 class GemmaAttention(AttentionProjections):

@@ -173,10 +173,13 @@ class LanguageRows:
 
     @classmethod
     def make(cls, positions: torch.Tensor, end: int, round_keys: torch.Tensor | None = None,
-             uniform: bool = False) -> "LanguageRows":
-        """``uniform``: the caller knows every row is at ``end - 1`` (a lone session), so nothing is blocked."""
+             uniform: bool = False, batch: torch.Tensor | None = None) -> "LanguageRows":
+        """``uniform``: the caller knows every row is at ``end - 1`` (a lone session), so nothing is blocked;
+        ``batch``: the row numbers, if the caller has them on the device already."""
         blocked = None if uniform else (torch.arange(end, device=positions.device) > positions[:, None])[:, None, None]
-        return cls(positions, end, torch.arange(positions.shape[0], device=positions.device), blocked, round_keys)
+        if batch is None:
+            batch = torch.arange(positions.shape[0], device=positions.device)
+        return cls(positions, end, batch, blocked, round_keys)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .config import AudioConfig
-from .conformer import ConformerCache, FastConformer
+from .conformer import ConformerCache, ConformerRows, FastConformer
 from .layers import Linear
 from .mel import LogMel
 
@@ -61,9 +61,10 @@ class Perception(nn.Module):
         encoded = self.encoder(mel)
         return self.proj(encoded), encoded
 
-    def forward_step(self, mel: torch.Tensor, cache: ConformerCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_step(self, mel: torch.Tensor, cache: ConformerCache,
+                     rows: ConformerRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One encoder frame per stream (:meth:`FastConformer.forward_step`), projected."""
-        encoded = self.encoder.forward_step(mel, cache)
+        encoded = self.encoder.forward_step(mel, cache, rows)
         return self.proj(encoded), encoded
 
     def uncached_frame(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
