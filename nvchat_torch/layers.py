@@ -36,17 +36,24 @@ __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2
 REDUCED = (torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types``, decided once per pair of dtypes: a frame's ops then look it up on the
+    host instead of dispatching a promotion each (a few thousand per frame)."""
+    return torch.promote_types(a, b)
+
+
 def promoted(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype:
     """The dtype MLX computes ``x op others`` in."""
     dtype = x.dtype
     for t in others:
-        if t is not None:
-            dtype = torch.promote_types(dtype, t.dtype)
+        if t is not None and t.dtype != dtype:
+            dtype = promote(dtype, t.dtype)
     return dtype
 
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dtype = promoted(x, weight, bias)
     if dtype in REDUCED:
         return F.linear(x.float(), weight.float(), _as(bias, torch.float32)).to(dtype)
-    return F.linear(x.to(dtype), weight.to(dtype), _as(bias, dtype))
+    return F.linear(_as(x, dtype), _as(weight, dtype), _as(bias, dtype))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,7 +69,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dtype = promoted(a, b)
     if dtype in REDUCED:
         return torch.matmul(a.float(), b.float()).to(dtype)
-    return torch.matmul(a.to(dtype), b.to(dtype))
+    return torch.matmul(_as(a, dtype), _as(b, dtype))
 
 
 class Linear(nn.Linear):
@@ -77,7 +84,7 @@ def _conv(conv: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     each is rounded (the convolution accumulates in float32); in float32 torch adds the bias in-kernel."""
     dtype = promoted(x, conv.weight, conv.bias)
     if dtype not in REDUCED:
-        return conv._conv_forward(x.to(dtype), conv.weight.to(dtype), _as(conv.bias, dtype))
+        return conv._conv_forward(_as(x, dtype), _as(conv.weight, dtype), _as(conv.bias, dtype))
     y = conv._conv_forward(x.float(), conv.weight.float(), None).to(dtype)
     return y if conv.bias is None else y + conv.bias.view(-1, *[1] * (y.dim() - 2))
 
@@ -109,7 +116,7 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = promoted(x, self.weight, self.bias)
-        return F.layer_norm(x.to(dtype), self.normalized_shape, _as(self.weight, dtype), _as(self.bias, dtype),
+        return F.layer_norm(_as(x, dtype), self.normalized_shape, _as(self.weight, dtype), _as(self.bias, dtype),
                             self.eps)
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import REDUCED, Conv1d, Linear, RMSNorm, adopt, rms_norm, silu, swap_modules
+from .layers import REDUCED, Conv1d, Linear, RMSNorm, adopt, promote, rms_norm, silu, swap_modules
 from .quant import QuantizedLinear, fuse_linears
 
 __all__ = [
@@ -413,7 +413,7 @@ class NemotronHAttention(nn.Module):
         S = k.shape[2]
         # Query head h reads KV head h // rep: group the rep query heads (and their L rows) per KV head.
         q = (q * self.scale).view(b, L, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * L, d)
-        dtype = q.dtype if q.dtype == k.dtype else torch.promote_types(q.dtype, k.dtype)
+        dtype = q.dtype if q.dtype == k.dtype else promote(q.dtype, k.dtype)
         scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2)  # [b, kv, rep*L, S]
         if rows is not None and rows.blocked is not None:  # each row attends its own positions
             scores = scores.masked_fill(rows.blocked, float("-inf"))
