@@ -228,7 +228,7 @@ class BatchEngine:
         return handle
 
     def prefill(self, seconds: float | None = None) -> list[EngineSession]:
-        """Advance the deferred prefills, oldest first, one piece at a time (an LLM call over up to 256
+        """Advance the deferred prefills, oldest first, one piece at a time (an LLM call over up to 64
         prompt positions, or one TTS step) for about ``seconds`` of wall time: a piece starts only
         while the time left exceeds the longest piece seen so far, and at least one runs per call, so a
         prefill always progresses. ``None`` runs them all. Returns the sessions that joined the batch

@@ -109,7 +109,7 @@ class StreamingSession:
         return self._prefill is not None
 
     def prefill_step(self) -> bool:
-        """Run one piece of the deferred prefill (one LLM call of up to 256 prompt positions, or one TTS
+        """Run one piece of the deferred prefill (one LLM call of up to 64 prompt positions, or one TTS
         step); returns True once the prefill is complete."""
         if self._prefill is not None:
             with torch.inference_mode():

@@ -3,7 +3,7 @@ on a fixed 80 ms clock.
 
 Every model call (opening a session, its system prompt's prefill, and each batched step) runs on the
 worker thread, never on the event loop, so pings and the other connections' I/O stay live. A new
-session's prompt is prefilled in pieces (one LLM call over up to 256 positions, or one TTS step) in
+session's prompt is prefilled in pieces (one LLM call over up to 64 positions, or one TTS step) in
 the time the worker would otherwise sleep until the next step, so a long prompt never stalls the
 sessions already streaming; the new session joins the batch once its prefill is complete. Each
 tick the worker hands every session its queued audio (buffering only) and runs its other jobs in

@@ -1,0 +1,279 @@
+"""The realtime server under load: N clients streaming at real-time pace, and what each of them hears.
+
+    python -m benchmarks.server_load                          # 8 clients, generated deep model, in-process server
+    python -m benchmarks.server_load --clients 1 --seconds 10
+    python -m benchmarks.server_load --prompt-chars 2000 --stagger 2 --json load.json
+    python -m benchmarks.server_load --url ws://127.0.0.1:8000/v1/realtime --pid 12345   # a running server
+
+Without ``--url`` it starts the server in this process (uvicorn in a thread, on a free 127.0.0.1 port,
+as ``tests/test_server.py`` does) with the generated model of ``benchmarks.frame_loop`` and
+``--max-sessions`` = ``--clients``. Each client connects (``--stagger`` seconds after the previous
+one), asks for 16 kHz in and 22.05 kHz out (the model's own rates), sends ``--seconds`` of
+``frame_loop.test_signal`` as 80 ms ``input_audio_buffer.append`` events on an absolute real-time
+schedule, commits, and reads until the commit's ``response.done``. Per client it reports the gaps
+between consecutive ``response.output_audio.delta`` events (p50, p95, max; 80 ms is real time), the
+time from its first append to its first audio delta, the 80 ms frames of audio received per wall
+second from the first append to the last delta (12.5 is real time), how long after its commit the
+commit's ``response.done`` came (how far the output lagged behind the input at the end), and the
+batched step's wall time as the server measured it (``nvchat.stats``: mean compute per frame). The
+"all" row pools the gaps, takes the largest first-audio, drain and step times and sums the frames/s.
+Below the table: the server's RSS (now and peak, from /proc: this process, clients included, or
+``--pid`` with ``--url``) and the cores that process and all others kept busy meanwhile, since a
+shared machine's other jobs slow the server as much as its own load does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import websockets
+
+import nvchat_torch as nv
+from benchmarks.frame_loop import FRAME, generated_checkpoint, test_signal
+
+PACE = 0.08  # seconds per 1280-sample frame at 16 kHz
+OUT_FRAME = 1764  # samples per frame at 22.05 kHz
+FILLER = "You are a helpful assistant who answers briefly and kindly. "
+
+
+def rss_mb(pid: int | None) -> dict | None:
+    """VmRSS (now) and VmHWM (peak) of a Linux process (None: this one, 0: none), MiB; None elsewhere."""
+    if pid == 0:
+        return None
+    try:
+        text = Path(f"/proc/{pid or 'self'}/status").read_text()
+    except OSError:
+        return None
+    kb = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines()
+          if line.startswith(("VmRSS", "VmHWM"))}
+    return {"rss_mb": kb.get("VmRSS", 0) / 1024, "peak_mb": kb.get("VmHWM", 0) / 1024}
+
+
+def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """CPU seconds the whole machine has been busy, and those of the process; None off Linux."""
+    if pid == 0:
+        return None
+    try:
+        busy = [int(x) for x in Path("/proc/stat").read_text().split()[1:9]]
+        own = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(busy) - busy[3] - busy[4]) / tick, (int(own[0]) + int(own[1])) / tick
+
+
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
+def start_server(model, max_sessions: int):
+    """The app on uvicorn in a daemon thread on a free loopback port; returns (url, uvicorn.Server, thread)."""
+    import uvicorn
+
+    from nvchat_torch.server.app import WS_MAX_BYTES, create_app, listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    app = create_app(model, max_sessions=max_sessions)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws_max_size=WS_MAX_BYTES,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    return f"ws://127.0.0.1:{port}/v1/realtime", server, thread
+
+
+async def client(index: int, url: str, pcm: np.ndarray, args, deadline: float) -> dict:
+    """One GA client: session.update, real-time appends, commit, read to the commit's response.done."""
+    await asyncio.sleep(index * args.stagger)
+    session = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                                             "output": {"format": {"type": "audio/pcm", "rate": 22050}}},
+               "nvchat": {"seed": index, "stats": True}}
+    if args.prompt_chars:
+        session["instructions"] = (FILLER * (args.prompt_chars // len(FILLER) + 1))[:args.prompt_chars]
+    r = {"client": index, "arrivals": [], "samples": 0, "errors": [], "rtf": [], "start": None, "commit": None,
+         "done": None}
+    remaining = lambda: max(0.1, deadline - time.monotonic())
+    try:
+        async with websockets.connect(url, max_size=None, open_timeout=remaining()) as ws:
+            created = json.loads(await asyncio.wait_for(ws.recv(), remaining()))
+            if created["type"] != "session.created":  # server_busy: more clients than --max-sessions
+                raise RuntimeError(created.get("error", {}).get("code") or created["type"])
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
+            updated = json.loads(await asyncio.wait_for(ws.recv(), remaining()))
+            if updated["type"] != "session.updated":
+                raise RuntimeError(updated.get("error", {}).get("code") or updated["type"])
+
+            async def send():
+                r["start"] = start = time.monotonic()
+                for i, at in enumerate(range(0, len(pcm) - FRAME + 1, FRAME)):
+                    await asyncio.sleep(max(0.0, start + i * PACE - time.monotonic()))
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                              "audio": base64.b64encode(pcm[at:at + FRAME].tobytes()).decode()}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                r["commit"] = time.monotonic()
+
+            async def receive():
+                committed = False
+                while True:
+                    event = json.loads(await ws.recv())
+                    kind = event["type"]
+                    if kind == "response.output_audio.delta":
+                        r["arrivals"].append(time.monotonic())
+                        r["samples"] += len(base64.b64decode(event["delta"])) // 2
+                    elif kind == "nvchat.stats":
+                        r["rtf"].append(event["realtime_factor"])
+                    elif kind == "error":
+                        r["errors"].append(event["error"].get("code"))
+                    elif kind == "input_audio_buffer.committed":
+                        committed = True
+                    elif kind == "response.done" and committed:
+                        r["done"] = time.monotonic()
+                        return
+
+            await asyncio.wait_for(asyncio.gather(send(), receive()), remaining())
+    except (asyncio.TimeoutError, OSError, websockets.WebSocketException, RuntimeError) as e:
+        r["errors"].append(f"{type(e).__name__}: {e}"[:200])
+    return r
+
+
+def summarize(r: dict) -> dict:
+    t = np.array(r["arrivals"])
+    gaps = np.diff(t) * 1000
+    span = (t[-1] - r["start"]) if len(t) and r["start"] else 0.0
+    fps = r["samples"] / OUT_FRAME / span if span > 0 else 0.0
+    pct = lambda q: float(np.percentile(gaps, q)) if len(gaps) else float("nan")
+    return {"client": r["client"], "deltas": len(t), "gaps_ms": gaps.tolist(), "gap_p50_ms": pct(50),
+            "gap_p95_ms": pct(95), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
+            "first_audio_s": float(t[0] - r["start"]) if len(t) else float("nan"), "frames_per_s": fps,
+            "drain_s": (r["done"] - r["commit"]) if r["done"] and r["commit"] else float("nan"),
+            "step_ms": float(np.mean(r["rtf"]) * PACE * 1000) if r["rtf"] else float("nan"),
+            "errors": r["errors"]}
+
+
+def _max(values) -> float:
+    values = [v for v in values if not np.isnan(v)]
+    return max(values) if values else float("nan")
+
+
+def table(rows: list[dict]) -> str:
+    gaps = np.concatenate([np.array(r["gaps_ms"]) for r in rows] + [np.zeros(0)])
+    pct = lambda q: float(np.percentile(gaps, q)) if len(gaps) else float("nan")
+    total = {"client": "all", "deltas": sum(r["deltas"] for r in rows), "gap_p50_ms": pct(50),
+             "gap_p95_ms": pct(95), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
+             "first_audio_s": _max(r["first_audio_s"] for r in rows),
+             "frames_per_s": sum(r["frames_per_s"] for r in rows), "drain_s": _max(r["drain_s"] for r in rows),
+             "step_ms": _max(r["step_ms"] for r in rows), "errors": [e for r in rows for e in r["errors"]]}
+    head = "client | deltas | gap p50 ms | gap p95 ms | gap max ms | first audio s | frames/s | drain s | step ms"
+    head += " | errors"
+    lines = [f"| {head} |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows + [total]:
+        errors = f"{len(r['errors'])}: {', '.join(sorted(set(map(str, r['errors']))))[:60]}" if r["errors"] else ""
+        lines.append(f"| {r['client']} | {r['deltas']} | {r['gap_p50_ms']:.0f} | {r['gap_p95_ms']:.0f} | "
+                     f"{r['gap_max_ms']:.0f} | {r['first_audio_s']:.2f} | {r['frames_per_s']:.1f} | "
+                     f"{r['drain_s']:.1f} | {r['step_ms']:.0f} | {errors} |")
+    return "\n".join(lines)
+
+
+async def run_clients(url: str, args, pid: int | None) -> tuple[list[dict], dict | None]:
+    pcm = np.round(np.clip(test_signal(args.seconds), -1, 1) * 32767).astype("<i2")
+    deadline = time.monotonic() + args.timeout
+    peak = {"rss_mb": 0.0, "peak_mb": 0.0}
+
+    async def watch():  # RSS now, every half second (VmHWM is the kernel's own peak)
+        while True:
+            now = rss_mb(pid)
+            if now is None:
+                return
+            peak["rss_mb"] = max(peak["rss_mb"], now["rss_mb"])
+            peak["peak_mb"] = now["peak_mb"]
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch())
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    results = await asyncio.gather(*(client(i, url, pcm, args, deadline) for i in range(args.clients)))
+    cpu1, wall = cpu_seconds(pid), time.monotonic() - t0
+    watcher.cancel()
+    end = rss_mb(pid)
+    process = None if end is None else {"rss_end_mb": end["rss_mb"], "rss_max_sampled_mb": peak["rss_mb"],
+                                        "rss_peak_mb": end["peak_mb"]}
+    if process and cpu0 and cpu1:  # cores busy on average: the server's process, and everything else
+        process["cpu_cores_process"] = (cpu1[1] - cpu0[1]) / wall
+        process["cpu_cores_others"] = (cpu1[0] - cpu0[0] - (cpu1[1] - cpu0[1])) / wall
+    return [summarize(r) for r in results], process
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.server_load", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=20.0, help="audio each client streams")
+    p.add_argument("--stagger", type=float, default=0.5, help="seconds between client joins")
+    p.add_argument("--prompt-chars", type=int, default=0,
+                   help="a system prompt of this many characters (0: the model's default)")
+    p.add_argument("--url", default=None,
+                   help="a running server, ws://127.0.0.1:PORT/v1/realtime (default: start one in this process)")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process, for its RSS")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: generated --preset, 4-bit)")
+    p.add_argument("--preset", default="deep", choices=("tiny", "deep"))
+    p.add_argument("--max-sessions", type=int, default=None, help="of the in-process server (default: --clients)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the in-process server")
+    p.add_argument("--timeout", type=float, default=600.0, help="overall limit, seconds; clients past it stop")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    server = None
+    if args.url:
+        url, pid, model_name = args.url, args.pid or 0, args.url  # 0: no process to measure
+    else:
+        path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
+        model = nv.load_model(path, device="cpu")
+        url, server, thread = start_server(model, args.max_sessions or args.clients)
+        pid, model_name = None, model.describe()
+    try:
+        rows, process = asyncio.run(run_clients(url, args, pid))
+    finally:
+        if server is not None:
+            server.should_exit = True
+            thread.join(timeout=30)
+    machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cpus, torch {torch.__version__} "
+               f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    print(f"machine: {machine}")
+    print(f"server:  {model_name}")
+    print(f"load:    {args.clients} clients x {args.seconds:g} s at real-time pace, {args.stagger:g} s apart, "
+          f"prompt {args.prompt_chars or 'default'} chars; 80 ms gaps and 12.5 frames/s are real time")
+    print(table(rows))
+    if process:
+        print(f"server RSS: {process['rss_end_mb']:.0f} MiB at the end, {process['rss_peak_mb']:.0f} MiB peak"
+              + (" (this process: server and clients)" if server is not None else ""))
+        if "cpu_cores_others" in process:
+            print(f"cpu: {process['cpu_cores_process']:.2f} cores busy in that process, "
+                  f"{process['cpu_cores_others']:.2f} in other processes (of {os.cpu_count()})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "server": model_name, "args": vars(args),
+                                               "clients": rows, "process": process}, indent=1) + "\n")
+    return 1 if any(r["errors"] or not r["deltas"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
