@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import base64
 import json
 import os
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +41,8 @@ import websockets
 
 import nvchat_torch as nv
 from benchmarks.frame_loop import FRAME, generated_checkpoint, test_signal
+from nvchat_torch.server.app import create_app
+from nvchat_torch.server.background import serve_in_thread
 
 PACE = 0.08  # seconds per 1280-sample frame at 16 kHz
 OUT_FRAME = 1764  # samples per frame at 22.05 kHz
@@ -79,27 +81,6 @@ def cpu_model() -> str:
     except OSError:
         return platform.processor()
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-
-
-def start_server(model, max_sessions: int):
-    """The app on uvicorn in a daemon thread on a free loopback port; returns (url, uvicorn.Server, thread)."""
-    import uvicorn
-
-    from nvchat_torch.server.app import WS_MAX_BYTES, create_app, listen_socket
-
-    sock = listen_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    app = create_app(model, max_sessions=max_sessions)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws_max_size=WS_MAX_BYTES,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    return f"ws://127.0.0.1:{port}/v1/realtime", server, thread
 
 
 async def client(index: int, url: str, pcm: np.ndarray, args, deadline: float) -> dict:
@@ -242,20 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    server = None
-    if args.url:
-        url, pid, model_name = args.url, args.pid or 0, args.url  # 0: no process to measure
-    else:
-        path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
-        model = nv.load_model(path, device="cpu")
-        url, server, thread = start_server(model, args.max_sessions or args.clients)
-        pid, model_name = None, model.describe()
-    try:
+    in_process = not args.url
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url, pid, model_name = args.url, args.pid or 0, args.url  # 0: no process to measure
+        else:
+            path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
+            model = nv.load_model(path, device="cpu")
+            app = create_app(model, max_sessions=args.max_sessions or args.clients)
+            url = f"ws://{stack.enter_context(serve_in_thread(app))}/v1/realtime"
+            pid, model_name = None, model.describe()
         rows, process = asyncio.run(run_clients(url, args, pid))
-    finally:
-        if server is not None:
-            server.should_exit = True
-            thread.join(timeout=30)
     machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cpus, torch {torch.__version__} "
                f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
     print(f"machine: {machine}")
@@ -265,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if process:
         print(f"server RSS: {process['rss_end_mb']:.0f} MiB at the end, {process['rss_peak_mb']:.0f} MiB peak"
-              + (" (this process: server and clients)" if server is not None else ""))
+              + (" (this process: server and clients)" if in_process else ""))
         if "cpu_cores_others" in process:
             print(f"cpu: {process['cpu_cores_process']:.2f} cores busy in that process, "
                   f"{process['cpu_cores_others']:.2f} in other processes (of {os.cpu_count()})")

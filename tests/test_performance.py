@@ -128,3 +128,18 @@ def test_benchmark_runs_and_reports(tmp_path):
     report = json.loads(out.read_text())
     assert report["ours"]["summary"]["frames"] == 20 - 3
     assert report["reference"]["summary"]["frames"] == 20 - 3
+
+
+def test_server_load_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/server_load.py against its in-process server on loopback: two tiny clients, a table
+    row each, every delta received, no error (its timings are for docs/server.md, not asserted)."""
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.server_load", "--preset", "tiny", "--clients", "2",
+                           "--seconds", "1.6", "--stagger", "0.2", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "NVCHAT_BENCH_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| all |" in proc.stdout and "server RSS" in proc.stdout, proc.stdout
+    clients = json.loads(out.read_text())["clients"]
+    assert [c["deltas"] for c in clients] == [20, 20]  # 1.6 s of 80 ms frames, each heard
+    assert not any(c["errors"] for c in clients)

@@ -27,7 +27,8 @@ from openai import AsyncOpenAI
 
 import nvchat_torch as nv
 from nvchat_torch.audio_io import StreamResampler, pcm16_decode, pcm16_encode, resample
-from nvchat_torch.server.app import MAX_MESSAGE_BYTES, WS_MAX_BYTES, create_app, listen_socket
+from nvchat_torch.server.app import MAX_MESSAGE_BYTES, create_app
+from nvchat_torch.server.background import serve_in_thread
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "question.wav"
@@ -56,21 +57,8 @@ def free_port() -> int:
 def serve(model, **kwargs):
     """The app on uvicorn in a thread, on a free loopback port; yields ``(address, app)``."""
     app = create_app(model, **kwargs)
-    sock = listen_socket("127.0.0.1", 0)  # as python -m nvchat_torch.server listens
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws_max_size=WS_MAX_BYTES,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(app) as address:  # listening as python -m nvchat_torch.server does
+        yield address, app
 
 
 def b64(pcm: np.ndarray) -> str:
