@@ -436,6 +436,14 @@ def test_non_loopback_host_needs_an_api_key_or_insecure(monkeypatch, capsys):
     assert cli.main(["--port", "9", "--device", "cpu", "--max-sessions", "0"]) == 2
     assert cli.main(["--port", "9", "--device", "cpu", "--allow-origin", "not an origin"]) == 2
     assert "--allow-origin" in capsys.readouterr().err
+    assert cli.main(["--port", "9", "--device", "cpu", "--threads", "0"]) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["--port", "9", "--device", "cpu", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and not cli.is_loopback("192.168.1.4")
 
 

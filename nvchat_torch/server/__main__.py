@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without --api-key (anyone who can reach it can use the model)")
     p.add_argument("--max-buffer-seconds", type=float, default=None,
                    help="input audio a session may queue beyond what has run (default 30 s); more is refused")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the model (default: torch's); on a small CPU, 1 can be much "
+                        "faster: the steps' many small ops contend with the server's own threads (docs/server.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_sessions < 1:
         print(f"error: --max-sessions must be at least 1, got {args.max_sessions}", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
         return 2
     if args.max_buffer_seconds is not None and not args.max_buffer_seconds > 0:
         print(f"error: --max-buffer-seconds must be positive, got {args.max_buffer_seconds}", file=sys.stderr)
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(args.host):
         print(f"warning: binding {args.host} exposes the server beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it can use it (--insecure)"), file=sys.stderr)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         model = load_from_args(args)
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
