@@ -21,7 +21,7 @@ import numpy as np
 
 from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
-from .frame_step import FrameInput, FrameStep
+from .frame_step import FrameStep
 from .session import AudioInput, StreamingSession
 
 if TYPE_CHECKING:
@@ -285,23 +285,18 @@ class BatchEngine:
         running = [s for s in self._slots if s is not None and s._frames]
         if running:
             try:
-                packed = self._run(running)
+                packed, stamps = self._run(running)
             except BaseException as error:
                 for s in self.sessions:
                     self._failures[s] = error
                     self._release(s)
                 raise
             for s in running:
-                session = s.session
                 try:
-                    events = session._frame_events(packed[s.slot])
+                    out[s] = s.session.frame_done(packed[s.slot], stamps)
                 except Exception as error:  # this session's host side failed: it alone ends
                     self._failures[s] = error
                     self._release(s)
-                    continue
-                session.frame_index += 1
-                session._timeline.index += 1
-                out[s] = events
         for s in self.sessions:
             if s.finishing and not s._frames:
                 ending = s.session.final_events()
@@ -309,22 +304,13 @@ class BatchEngine:
                 self._release(s)
         return out
 
-    def _run(self, running: list[EngineSession]) -> np.ndarray:
-        """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples."""
+    def _run(self, running: list[EngineSession]) -> tuple[np.ndarray, list[float]]:
+        """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples, and
+        the stage marks (each session that profiles records its frame's in ``frame_done``)."""
         profile = self.profile is not None or any(s.options.profile for s in running)
-        inputs = {}
-        for s in running:
-            session = s.session
-            generator = None if s.options.deterministic else session._timeline.generator
-            inputs[s.slot] = FrameInput(s._frames.pop(0), generator, session._tools)
-        packed, stamps = self._frames.run(inputs, profile)
-        if profile:  # the step's stages, for the engine and for every session that asked (its frame's)
-            p, r, lm, tts, codec = np.diff(stamps) * 1000.0
-            total = (stamps[-1] - stamps[0]) * 1000.0
-            if self.profile is not None:
-                self.profile.frames.append(FrameTiming(self.steps, p, r, lm, tts, codec, total))
-            for s in running:
-                if s.options.profile:
-                    s.session.profile.frames.append(FrameTiming(s.frame_index, p, r, lm, tts, codec, total))
+        packed, stamps = self._frames.run({s.slot: s.session.frame_input(s._frames.pop(0)) for s in running},
+                                          profile)
+        if self.profile is not None:
+            self.profile.frames.append(FrameTiming.from_stamps(self.steps, stamps))
         self.steps += 1
-        return packed
+        return packed, stamps

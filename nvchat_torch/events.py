@@ -9,6 +9,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -113,6 +114,12 @@ class FrameTiming:
     tts_ms: float
     codec_ms: float
     total_ms: float
+
+    @classmethod
+    def from_stamps(cls, frame_index: int, stamps: Sequence[float]) -> "FrameTiming":
+        """From the six ``time.perf_counter()`` marks of a profiled step (start, then after each stage)."""
+        perception, rnnt, language, tts, codec = np.diff(stamps) * 1000.0
+        return cls(frame_index, perception, rnnt, language, tts, codec, (stamps[-1] - stamps[0]) * 1000.0)
 
 
 STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")

@@ -97,7 +97,7 @@ class FrameStep:
         self._perception = stt.perception
         self._transcriber = model.transcriber
         self._embed, self._llm = stt.embed_tokens, stt.llm
-        self._heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
+        self._heads = model.vocabulary_heads()
         self._speech = model.tts_model
         self._codec = model.tts_model.audio_codec
         self.rows: list[RowState | None] = []  # by slot; None: a free slot

@@ -150,6 +150,13 @@ class VoiceChatNetworks(nn.Module):
         self.tokenizer = tokenizer
         self.tts_model.tts_model.set_vocabulary(tokenizer.get_vocab())
 
+    def vocabulary_heads(self) -> tuple[nn.Module, nn.Module | None]:
+        """What :func:`~nvchat_torch.language_heads.language_heads` takes: the fused heads once
+        :meth:`prepare` made them (and the second None), else the text and function heads."""
+        if self.fused_heads is not None:
+            return self.fused_heads, None
+        return self.stt_model.lm_head, self.stt_model.function_head
+
     def tts_prompt(self) -> TTSPrompt:
         """The speaker warmup prompt: deterministic per checkpoint, so computed once (it runs the codec encoder)."""
         if self._tts_prompt is None:

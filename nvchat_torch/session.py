@@ -277,13 +277,21 @@ class StreamingSession:
             raise
 
     def _audio_frame(self, frame: np.ndarray) -> list[VoiceChatEvent]:
-        generator = None if self.options.deterministic else self._timeline.generator
-        packed, stamps = self._frames.run({self._slot: FrameInput(frame, generator, self._tools)}, self.options.profile)
-        events = self._frame_events(packed[self._slot])
+        packed, stamps = self._frames.run({self._slot: self.frame_input(frame)}, self.options.profile)
+        return self.frame_done(packed[self._slot], stamps)
+
+    # ---- what a frame step takes from this session and gives back (its own, or an engine's)
+    def frame_input(self, samples: np.ndarray) -> FrameInput:
+        """This session's row of a frame step: the samples, its generator (none when deterministic) and
+        its tool channel (the ids it forces)."""
+        return FrameInput(samples, None if self.options.deterministic else self._timeline.generator, self._tools)
+
+    def frame_done(self, packed: np.ndarray, stamps: list[float]) -> list[VoiceChatEvent]:
+        """The events of this session's row of a step that ran (``packed``: its values, read from the
+        device); records the step's stage times when profiling, and advances the frame counters."""
         if self.options.profile:
-            p, r, lm, tts, codec = np.diff(stamps) * 1000.0
-            self.profile.frames.append(FrameTiming(self.frame_index, p, r, lm, tts, codec,
-                                                   (stamps[-1] - stamps[0]) * 1000.0))
+            self.profile.frames.append(FrameTiming.from_stamps(self.frame_index, stamps))
+        events = self._frame_events(packed)
         self.frame_index += 1
         self._timeline.index += 1
         return events

@@ -36,7 +36,7 @@ class Timeline:
         self.deterministic = deterministic
         stt = model.stt_model
         self.embed, self.llm = stt.embed_tokens, stt.llm
-        self.heads = (model.fused_heads, None) if model.fused_heads is not None else (stt.lm_head, stt.function_head)
+        self.heads = model.vocabulary_heads()
         self.language_cache = stt.llm.new_cache() if use_language_cache else None
         self.history: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device)
