@@ -70,10 +70,11 @@ def test_page_talks_to_the_server_in_chromium(model, tmp_path):
     assert state["rtf"] != "-", state  # the live real-time-factor readout is filled
 
 
-async def drive(profile, address) -> dict:
-    deadline = time.monotonic() + 60
+async def page_socket(profile, address: str, deadline: float) -> str:
+    """The DevTools WebSocket URL of Chromium's page at ``address`` (Chromium started with ``profile``)."""
     port_file = profile / "DevToolsActivePort"
-    while not port_file.exists():
+    # Chromium creates the file, then writes the port: wait for its first line, not just the file.
+    while not (port_file.exists() and port_file.read_text().split()):
         assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
         await asyncio.sleep(0.1)
     port = port_file.read_text().split()[0]
@@ -81,10 +82,14 @@ async def drive(profile, address) -> dict:
         targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10).read())
         pages = [t for t in targets if t["type"] == "page" and address in t["url"]]
         if pages:
-            break
+            return pages[0]["webSocketDebuggerUrl"]
         assert time.monotonic() < deadline, f"the page did not open: {targets}"
         await asyncio.sleep(0.1)
-    async with websockets.connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
+
+
+async def drive(profile, address) -> dict:
+    deadline = time.monotonic() + 60
+    async with websockets.connect(await page_socket(profile, address, deadline), max_size=None) as ws:
         tools = DevTools(ws)
         probe = ("({status: document.body.dataset.status || '', deltas: +document.getElementById('audio-deltas')"
                  ".textContent, user: document.getElementById('user').textContent, rtf: document.getElementById"
@@ -148,19 +153,7 @@ def test_another_sites_page_cannot_use_the_server_in_chromium(model, tmp_path):
 
 async def page_title(profile, origin: str) -> str:
     deadline = time.monotonic() + 60
-    port_file = profile / "DevToolsActivePort"
-    while not port_file.exists():
-        assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
-        await asyncio.sleep(0.1)
-    port = port_file.read_text().split()[0]
-    while True:
-        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10).read())
-        pages = [t for t in targets if t["type"] == "page" and origin in t["url"]]
-        if pages:
-            break
-        assert time.monotonic() < deadline, f"the page did not open: {targets}"
-        await asyncio.sleep(0.1)
-    async with websockets.connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as ws:
+    async with websockets.connect(await page_socket(profile, origin, deadline), max_size=None) as ws:
         tools = DevTools(ws)
         while time.monotonic() < deadline:
             title = await tools.evaluate("document.title")
