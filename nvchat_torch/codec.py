@@ -65,13 +65,14 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """``state``: ``[B, C, kernel - 1]`` previous input frames, updated in place (None: zeros)."""
-        if state is None:
+    def forward(self, x: torch.Tensor, states: list[torch.Tensor] | None = None, index: int = 0) -> torch.Tensor:
+        """``states[index]``: ``[B, C, kernel - 1]`` previous input frames (None: zeros), replaced by this
+        call's last ones (a view of the window: one ``cat`` a step, no copy)."""
+        if states is None:
             padded = F.pad(x, (self.context, 0))
         else:
-            padded = torch.cat([state, x], dim=-1)
-            state.copy_(padded[..., -self.context:])
+            padded = torch.cat([states[index], x], dim=-1)
+            states[index] = padded[..., -self.context:]
         h = self.norm(self.dwconv(padded).transpose(1, 2))
         h = gelu_erf(pointwise(h, self.pwconv1.weight.squeeze(-1), self.pwconv1.bias))  # exact erf GELU
         h = pointwise(h, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
@@ -135,7 +136,7 @@ class AudioDecoder(nn.Module):
         block = 0
         for layer in self.layers:
             if isinstance(layer, ConvNeXtBlock):
-                latents = layer(latents, None if states is None else states[block])
+                latents = layer(latents, states, block)
                 block += 1
             else:
                 latents = layer(latents)
@@ -218,10 +219,10 @@ class StackedCodebooks(ResidualVectorQuantizer):
 
 @dataclass
 class CodecCache:
-    """Streaming state of one decode stream, fixed-size and updated in place.
+    """Streaming state of one decode stream, fixed-size.
 
     ``blocks``: per decoder ConvNeXt block, its last ``kernel - 1`` input frames ``[B, C, 6]``
-    (model dtype). ``spectrum``: the last 4 spectral frames ``[B, 2 * bins, 4]`` (float32,
+    (model dtype; each step replaces the entry). ``spectrum``: the last 4 spectral frames ``[B, 2 * bins, 4]`` (float32,
     real parts then imaginary parts), the overlap of the next call's iSTFT.
     """
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConformerConfig
-from .layers import Conv1d, Conv2d, LayerNorm, Linear, adopt, promoted, swap_modules
+from .layers import Conv1d, Conv2d, LayerNorm, Linear, add_linear, adopt, promoted, swap_modules
 from .layers import linear as promoted_linear
 from .quant import concat_linears
 
@@ -43,18 +43,6 @@ def relative_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
                          * -(math.log(10000.0) / d_model))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)
-
-
-def add_linear(x: torch.Tensor, linear: nn.Module, h: torch.Tensor, alpha: float = 1.0,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``x + alpha * linear(h)``; one ``addmm`` (one kernel) for a bias-free ``nn.Linear`` (or a given
-    ``weight`` [out, in]) on one position per row ``[B, 1, d]``, as the streaming step has."""
-    w = linear.weight if weight is None and isinstance(linear, nn.Linear) else weight
-    if w is not None and linear.bias is None and x.dim() == 3 and x.shape[1] == 1:
-        dtype, rows = promoted(x, h, w), x.shape[0]
-        return torch.addmm(x.view(rows, -1), h.reshape(rows, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
-    y = linear(h) if weight is None else promoted_linear(h, weight, linear.bias)
-    return torch.add(x, y, alpha=alpha)
 
 
 class FeedForward(nn.Module):

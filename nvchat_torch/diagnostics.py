@@ -9,13 +9,14 @@ be told from a no-op, so every call counts.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "synchronize"]
+__all__ = ["HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "device_memory", "synchronize"]
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
@@ -79,6 +80,17 @@ def model_bytes(model: torch.nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` offers a model: CUDA's total, MPS's recommended working set
+    (Metal's ``recommendedMaxWorkingSetSize``, a share of the Mac's unified memory), the host's
+    physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory()
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def synchronize(device: torch.device) -> None:

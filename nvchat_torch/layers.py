@@ -31,7 +31,7 @@ from torch import nn
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
-           "adopt", "swap_modules"]
+           "adopt", "swap_modules", "add_linear"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -70,6 +70,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if dtype in REDUCED:
         return torch.matmul(a.float(), b.float()).to(dtype)
     return torch.matmul(_as(a, dtype), _as(b, dtype))
+
+
+def add_linear(x: torch.Tensor, module: nn.Module, h: torch.Tensor, alpha: float = 1.0,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + alpha * module(h)`` for a linear ``module``: a residual and the projection that feeds it as
+    one ``addmm`` (one kernel) for a bias-free ``nn.Linear`` (or a given ``weight`` [out, in]) on one
+    position per row ``[B, 1, d]``, as the streaming steps have; otherwise the projection, then the sum."""
+    w = module.weight if weight is None and isinstance(module, nn.Linear) else weight
+    if w is not None and module.bias is None and x.dim() == 3 and x.shape[1] == 1:
+        dtype, rows = promoted(x, h, w), x.shape[0]
+        return torch.addmm(x.view(rows, -1), h.reshape(rows, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
+    y = module(h) if weight is None else linear(h, weight, module.bias)
+    return torch.add(x, y, alpha=alpha)
 
 
 class Linear(nn.Linear):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .layers import REDUCED, Conv1d, Linear, RMSNorm, adopt, promote, rms_norm, silu, swap_modules
+from .layers import REDUCED, Conv1d, Linear, RMSNorm, add_linear, adopt, promote, rms_norm, silu, swap_modules
 from .quant import QuantizedLinear, fuse_linears
 
 __all__ = [
@@ -339,8 +339,10 @@ class NemotronHMamba2Mixer(nn.Module):
         grouped.addcmul_(dtx.view(b, G, -1, 1), B.float().unsqueeze(2))
         return cb.unsqueeze(-1) * dtx + decay.unsqueeze(-1) * y_prev
 
-    def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None) -> torch.Tensor:
-        """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is)."""
+    def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
+        ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`)."""
         b, L, _ = x.shape
         projected = self.in_proj(x)
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
@@ -365,7 +367,8 @@ class NemotronHMamba2Mixer(nn.Module):
             y = y.to(xs.dtype) + xs * self.D.to(xs.dtype)[:, None]
         else:
             y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])
-        return self.out_proj(self.norm(y.reshape(b, L, self.d_inner), z))
+        y = self.norm(y.reshape(b, L, self.d_inner), z)
+        return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
 
 
 class FusedMamba2Mixer(NemotronHMamba2Mixer):
@@ -400,7 +403,8 @@ class NemotronHAttention(nn.Module):
         """Queries, keys and values of ``x``."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, rows: LanguageRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, rows: LanguageRows | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         b, L, _ = x.shape
         kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q, k, v = self.project(x)
@@ -422,7 +426,7 @@ class NemotronHAttention(nn.Module):
             scores = scores.view(b, kv, rep, L, S).masked_fill(~allowed, float("-inf")).view(b, kv, rep * L, S)
         probs = scores.softmax(-1, dtype=torch.float32).to(dtype)
         out = (probs @ v.to(dtype)).view(b, kv, rep, L, d).permute(0, 3, 1, 2, 4).reshape(b, L, -1)
-        return self.o_proj(out)
+        return self.o_proj(out) if residual is None else add_linear(residual, self.o_proj, out)
 
 
 class FusedNemotronHAttention(NemotronHAttention):
@@ -443,8 +447,9 @@ class NemotronHMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.up_proj(x)).square()
+        return self.down_proj(h) if residual is None else add_linear(residual, self.down_proj, h)
 
 
 _MIXERS = {"M": NemotronHMamba2Mixer, "*": NemotronHAttention, "-": NemotronHMLP}
@@ -465,7 +470,9 @@ class NemotronHBlock(nn.Module):
     def forward(self, x: torch.Tensor, cache: MambaCache | KVCache | None = None,
                 rows: LanguageRows | None = None) -> torch.Tensor:
         h = self.norm(x)
-        return x + (self.mixer(h) if self.block_type == "-" else self.mixer(h, cache, rows))
+        if self.block_type == "-":
+            return self.mixer(h, residual=x)
+        return self.mixer(h, cache, rows, residual=x)
 
 
 # --------------------------------------------------------------------------------------

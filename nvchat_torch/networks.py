@@ -14,6 +14,7 @@ from .checkpoint import cast
 from .config import VoiceChatConfig
 from .perception import Perception
 from .diagnostics import model_bytes
+from .int4pack import Int4Kernel
 from .layers import Linear, swap_modules
 from .language_heads import fuse_heads
 from .nemotron_h import NemotronHModel
@@ -90,12 +91,14 @@ class VoiceChatNetworks(nn.Module):
         self.stt_model.rnnt_decoder.init_constants(device)
         self.tts_model.init_constants(device)
 
-    def prepare(self, int4: bool = True) -> Self:
+    def prepare(self, int4: bool = True, kernel: Int4Kernel | None = None) -> Self:
         """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
         fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul (which replaces
         them: no second copy), stacked codebooks, the RNNT gate table, and 4-bit packed linears on
         torch's int4pack kernel where the device has one that passes its self-test (computing in the
-        activation dtype: see :func:`~nvchat_torch.quant.pack_int4`)."""
+        activation dtype: see :func:`~nvchat_torch.quant.pack_int4`). ``kernel``: the int4pack layout and
+        op to pack for (default: the device's, :func:`~nvchat_torch.int4pack.int4_kernel`; its stand-in runs
+        the MPS or CUDA branch on a CPU)."""
         self.stt_model.perception.fuse()
         swap_modules(self.stt_model, RnntDecoder, FusedRnntDecoder)
         self.stt_model.llm.fuse()
@@ -104,7 +107,7 @@ class VoiceChatNetworks(nn.Module):
             self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
             del self.stt_model.lm_head, self.stt_model.function_head
         if int4:
-            pack_int4(self, dtype=self.dtype)
+            pack_int4(self, dtype=self.dtype, kernel=kernel)
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
 
@@ -173,10 +176,10 @@ class VoiceChatNetworks(nn.Module):
         paths: dict[str, int] = {}
         for m in self.modules():
             if isinstance(m, Int4PackedLinear):
-                key = f"4-bit linears: torch int4pack kernel with {m.dtype} activations"
-            elif isinstance(m, QuantizedLinear):
+                key = f"4-bit linears: {m.kernel.name} with {m.dtype} activations"
+            elif isinstance(m, QuantizedLinear):  # a fallback says which kernel failed and why
                 key = (f"{m.spec.mode} {m.spec.bits}-bit linears: dequantized on every call "
-                       f"({m.scales.dtype} scales)")
+                       f"({m.scales.dtype} scales)" + (f"; fallback: {m.fallback}" if m.fallback else ""))
             elif isinstance(m, QuantizedEmbedding):
                 key = f"{m.spec.mode} {m.spec.bits}-bit embedding: rows dequantized when read"
             elif isinstance(m, nn.Linear):

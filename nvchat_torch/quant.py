@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantSpec
+from .int4pack import Int4Kernel, int4_kernel
 from .layers import REDUCED, Linear
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "quantize_modules",
     "pack_int4",
     "int4pack_available",
+    "self_test_kernel",
     "concat_linears",
     "fuse_linears",
 ]
@@ -202,6 +204,7 @@ class QuantizedLinear(_Packed):
         super().__init__(out_features, in_features, spec, scale_dtype, device)
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.fallback: str | None = None  # why pack_int4 left it here, when a fused kernel was meant to run it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.dequantized(x.dtype)
@@ -242,60 +245,48 @@ def int4pack_available(device: torch.device | str) -> bool:
     """Whether this torch build has a fused int4 weight-only matmul for ``device``. On the CPU it is
     vectorised for every capability torch dispatches to (AVX2 and AVX-512 alike); whether it computes
     right on this machine is the one-time self-test's to say (:func:`pack_int4`), not a list of CPUs."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-    if device.type in ("mps", "cuda"):
-        return hasattr(torch.ops.aten, "_weight_int4pack_mm")
-    return False
+    kernel = int4_kernel(torch.device(device).type)
+    return kernel is not None and kernel.available()
 
 
 class Int4PackedLinear(nn.Module):
-    """MLX affine 4-bit linear in torch's int4pack layout, run by ``_weight_int4pack_mm*``.
+    """MLX affine 4-bit linear in a torch int4pack layout, run by that layout's ``_weight_int4pack_mm*``.
 
     torch computes ``(q - 8)*scale + zero``; MLX computes ``scale*q + bias``; so
     ``zero = bias + 8*scale`` (computed in fp32). Built by :func:`pack_int4` from a
-    :class:`QuantizedLinear`, whose packed codes it replaces (not a second copy).
+    :class:`QuantizedLinear`, whose packed codes it replaces (not a second copy). ``kernel``
+    (default: the one of the weights' device) picks the layout and the op: see
+    :mod:`nvchat_torch.int4pack`, whose stand-ins run the MPS and CUDA layouts on a CPU.
     """
 
-    def __init__(self, src: QuantizedLinear, dtype: torch.dtype):
+    def __init__(self, src: QuantizedLinear, dtype: torch.dtype, kernel: Int4Kernel | None = None):
         super().__init__()
         spec = src.spec
         self.in_features, self.out_features, self.group_size = src.in_features, src.out_features, spec.group_size
         self.dtype = dtype
+        kernel = kernel or int4_kernel(src.weight.device.type)
+        if kernel is None:
+            raise ValueError(f"Int4PackedLinear: no int4pack kernel for {src.weight.device.type}")
+        self.kernel = kernel
         # The kernels want N % 16 == 0: pad with zero rows (their outputs are sliced away, a view).
         pad = -src.out_features % 16
         words = F.pad(src.weight.view(torch.int32), (0, 0, 0, pad)).view(torch.uint32)
         s, b = F.pad(src.scales.float(), (0, 0, 0, pad)), F.pad(src.biases.float(), (0, 0, 0, pad))
         sz = torch.stack((s, b + 8.0 * s), dim=-1).transpose(0, 1).contiguous()  # [K/gs, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype))
-        if words.device.type == "cpu":
-            # The converter takes int32 codes, 8x the packed bytes (4.7 GB for the fused 11B heads):
-            # convert 64-row blocks (the layout's unit, so the pieces concatenate), 16 MB of codes at a time.
-            step = 64 * max(1, (1 << 22) // (64 * self.in_features))
-            self.register_buffer("packed", torch.cat([
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(words[i:i + step], 4).to(torch.int32), 2)
-                for i in range(0, words.shape[0], step)]))
-        else:
-            # MPS/CUDA kernels take the CUDA-style byte (even k in the high nibble): swap MLX's nibbles.
-            raw = words.contiguous().view(torch.uint8)
-            swapped = ((raw & 0x0F) << 4) | (raw >> 4)
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
-                swapped.reshape(self.out_features + pad, self.in_features // 2), 2))
+        self.register_buffer("packed", kernel.pack(words, self.in_features))
         self.bias = src.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xin = x.reshape(-1, self.in_features).to(self.dtype)
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, self.group_size, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(xin, self.packed, self.group_size, self.scales_and_zeros)
+        y = self.kernel.mm(xin, self.packed, self.group_size, self.scales_and_zeros)
         y = y[:, :self.out_features].to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"kernel={self.kernel.name}")
 
 
 def _int4_eligible(m: nn.Module) -> bool:
@@ -307,30 +298,53 @@ def _int4_eligible(m: nn.Module) -> bool:
 
 def _kernel_self_test(packed: Int4PackedLinear, source: QuantizedLinear) -> str | None:
     """One-time check on the device that the fused kernel computes MLX's ``scale*q + bias`` matmul
-    (the MPS/CUDA layouts were derived from PyTorch's sources, not run here): a random input against
-    the dequantized weights. Returns None when it agrees, else why it is not used."""
+    (the MPS/CUDA layouts were derived from PyTorch's sources, and run here only through their
+    stand-ins): a random input against the dequantized weights. Returns None when it agrees, else
+    why it is not used."""
     x = torch.randn(2, packed.in_features, device=source.weight.device, dtype=packed.dtype,
                     generator=torch.Generator(device=source.weight.device).manual_seed(0))
     rows = torch.arange(min(source.out_features, 1024), device=source.weight.device)  # not a 4.7 GB float32 copy
     try:
         got = packed(x)[:, :len(rows)].float()
     except RuntimeError as e:
-        return f"the int4pack kernel failed its self-test ({str(e).splitlines()[0]})"
+        return f"{packed.kernel.op} failed its self-test ({str(e).splitlines()[0]})"
     want = F.linear(x.float(), source.dequantized(torch.float32, rows=rows),
                     None if source.bias is None else source.bias[rows].float())
     tol = 2e-2 if packed.dtype != torch.float32 else 1e-4
     err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
-    return None if err <= tol else f"the int4pack kernel failed its self-test (relative error {err:.2g} > {tol:g})"
+    return None if err <= tol else f"{packed.kernel.op} failed its self-test (relative error {err:.2g} > {tol:g})"
 
 
-def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+def self_test_kernel(kernel: Int4Kernel, dtype: torch.dtype, device: torch.device | str | None = None) -> str | None:
+    """The self-test :func:`pack_int4` runs, on a random 4-bit ``256 -> 200`` linear on ``device``
+    (default: the kernel's own; a stand-in runs on the CPU): None if it passes, else why not."""
+    device = torch.device(device or ("cpu" if kernel.stand_in else kernel.device_type))
+    if not kernel.available():
+        return f"this torch build has no {kernel.op}"
+    if dtype not in kernel.activation_dtypes:
+        return f"{kernel.op} takes {', '.join(map(str, kernel.activation_dtypes))} activations, not {dtype}"
+    g = torch.Generator().manual_seed(0)
+    words, scales, biases = quantize_affine(torch.randn(200, 256, generator=g), 4, 64)
+    source = QuantizedLinear(256, 200, True, QuantSpec(4, 64), torch.float32, device)
+    source.load_state_dict({"weight": words, "scales": scales, "biases": biases, "bias": torch.randn(200, generator=g)})
+    try:
+        packed = Int4PackedLinear(source, dtype, kernel)
+    except RuntimeError as e:
+        return f"{kernel.op} could not pack the weights ({str(e).splitlines()[0]})"
+    return _kernel_self_test(packed, source)
+
+
+def pack_int4(model: nn.Module, dtype: torch.dtype | None = None, kernel: Int4Kernel | None = None) -> int:
     """Swap every eligible 4-bit :class:`QuantizedLinear` for an :class:`Int4PackedLinear`.
 
     ``dtype`` is the compute dtype of the kernel (bfloat16 is the fast path on CPU and the only
-    one on CUDA). Returns the number of modules swapped: none if the device lacks the kernel or its
-    one-time self-test on the device fails (the modules then dequantize per call, still correct).
-    The state_dict of a swapped module is no longer in checkpoint layout (a documented
-    post-load transform, like fusing QKV).
+    one on CUDA). ``kernel`` is the layout and op to use (default: the weights' device's,
+    :func:`~nvchat_torch.int4pack.int4_kernel`; a stand-in runs the MPS or CUDA branch on a CPU).
+    Returns the number of modules swapped: none if the device lacks the kernel, the kernel does not
+    take ``dtype``, or its one-time self-test on the device fails; the modules then dequantize per
+    call (still correct), each says why in ``fallback`` (shown by ``model.describe()``), and one
+    warning names the op, the device and the cost. The state_dict of a swapped module is no
+    longer in checkpoint layout (a documented post-load transform, like fusing QKV).
     """
     swapped, verified, eligible = 0, {}, 0
     # Only the parents are listed: a list of every module would keep each replaced source alive
@@ -342,23 +356,31 @@ def pack_int4(model: nn.Module, dtype: torch.dtype | None = None) -> int:
                 continue
             eligible += 1
             device = child.weight.device
-            if not int4pack_available(device):
-                verified[(device.type, None)] = "this torch build has no int4pack kernel for it"
-                continue
-            kdt = dtype or (torch.float32 if device.type == "mps" else torch.bfloat16)
-            packed = Int4PackedLinear(child, kdt)
-            key = (device.type, kdt)
-            if key not in verified:
-                verified[key] = _kernel_self_test(packed, child)
-            if verified[key] is None:
-                setattr(module, child_name, packed)
-                swapped += 1
+            chosen = kernel or int4_kernel(device.type)
+            kdt = dtype or (chosen.activation_dtypes[0] if chosen else None)
+            key = (device.type, chosen.name if chosen else None, kdt)
+            if chosen is None or not chosen.available():
+                verified[key] = f"this torch build has no {chosen.op if chosen else 'int4pack kernel'} for {device.type}"
+            elif kdt not in chosen.activation_dtypes:
+                verified[key] = (f"{chosen.op} takes {', '.join(map(str, chosen.activation_dtypes))} activations, "
+                                 f"not {kdt}")
+            else:
+                assert kdt is not None
+                packed = Int4PackedLinear(child, kdt, chosen)
+                if key not in verified:
+                    verified[key] = _kernel_self_test(packed, child)
+                if verified[key] is None:
+                    setattr(module, child_name, packed)
+                    swapped += 1
+                    continue
+            child.fallback = verified[key]
     failures = {key: why for key, why in verified.items() if why is not None}
     if failures and swapped < eligible:
-        (device, kdt), why = next(iter(failures.items()))
-        warnings.warn(f"4-bit linears on {device}{f' ({kdt} activations)' if kdt else ''}: {why}; {eligible - swapped} "
-                      "of them dequantize their weights on every call instead, which is correct but several "
-                      "times slower on a large model (see model.describe())", RuntimeWarning, stacklevel=2)
+        (device_type, _, kdt), why = next(iter(failures.items()))
+        warnings.warn(f"4-bit linears on {device_type}{f' ({kdt} activations)' if kdt else ''}: {why}; "
+                      f"{eligible - swapped} of them dequantize their weights on every call instead, which is "
+                      "correct but several times slower on a large model (see model.describe())",
+                      RuntimeWarning, stacklevel=2)
     return swapped
 
 
