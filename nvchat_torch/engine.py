@@ -15,6 +15,7 @@ prompt prefilled exactly as alone), whose caches then move into the slot; its ho
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .frame_step import FrameStep
 from .session import AudioInput, StreamingSession
+from .turn_taking import TurnTakingConfig
 
 if TYPE_CHECKING:
     from .networks import VoiceChatNetworks
@@ -157,6 +159,13 @@ class EngineSession:
         """As :meth:`StreamingSession.force_tokens`."""
         self.session.force_tokens(channel, ids)
 
+    def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
+        """As :meth:`StreamingSession.set_turn_taking`, from this session's next frame."""
+        self._check_open("set_turn_taking")
+        self.session.set_turn_taking(config)
+        if self.slot is not None:
+            self.engine._frames.set_turn_taking(self.slot, self.session.options.turn_taking)
+
     def _check_open(self, call: str) -> None:
         if self.closed:
             failure = self.engine._failures.get(self)
@@ -258,7 +267,7 @@ class BatchEngine:
     def _join(self, handle: EngineSession) -> None:
         """Give a prefilled session a slot (the first free one, or a new row) and its caches."""
         session = handle.session
-        handle.slot = self._frames.join(session._timeline, session._rnnt_state)
+        handle.slot = self._frames.join(session._timeline, session._rnnt_state, session.options.turn_taking)
         self._slots += [None] * (handle.slot + 1 - len(self._slots))
         self._slots[handle.slot] = handle
 

@@ -9,10 +9,12 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
+
+from .turn_taking import TurnTakingConfig
 
 _log = logging.getLogger("nvchat_torch")
 
@@ -29,7 +31,7 @@ __all__ = [
 ]
 
 EventKind = Literal["assistant_text_delta", "function_delta", "user_transcript_delta", "audio", "done", "cancelled",
-                    "tool_call", "tool_call_error"]
+                    "tool_call", "tool_call_error", "turn"]
 
 
 @dataclass
@@ -48,7 +50,11 @@ class VoiceChatEvent:
     call_id: str | None = None
     name: str | None = None
     arguments: dict | None = None
-    reason: str | None = None  # tool_call_error: why the span was not a call to an offered tool
+    # tool_call_error: why the span was not a call to an offered tool; turn (StreamingOptions.turn_taking):
+    # what the policy did this frame, one of nvchat_torch.turn_taking.REASONS ("user_speech",
+    # "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed"); `token_id` is the
+    # id the frame emitted
+    reason: str | None = None
 
 
 MAX_STREAMING_SECONDS = 1e9  # a bound for max_streaming_seconds (any model's context is far shorter)
@@ -66,8 +72,14 @@ class StreamingOptions:
     profile: bool = False
     deterministic: bool = False
     tools: list[dict] | None = None  # OpenAI-format function tools (nvchat_torch.tools), at most 5
+    # NVIDIA's turn-taking policy (nvchat_torch.turn_taking; a mapping of some of its fields is taken
+    # too); None: the raw model decides alone when to speak, as the MLX reference does
+    turn_taking: TurnTakingConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.turn_taking, Mapping):
+            self.turn_taking = TurnTakingConfig.from_dict(self.turn_taking)
+        self.check("turn_taking", self.turn_taking)
         if self.tools is not None:
             from .tool_prompt import validate_tools
 
@@ -83,6 +95,12 @@ class StreamingOptions:
                 raise ValueError(f"seed must be an int, got {value!r}")
             if not -2 ** 63 <= value < 2 ** 64:  # torch.Generator.manual_seed's range
                 raise ValueError(f"seed must fit in 64 bits, got {value}")
+        elif name == "turn_taking":
+            if value is not None and not isinstance(value, (TurnTakingConfig, Mapping)):
+                raise ValueError(f"turn_taking must be None, a TurnTakingConfig or a mapping of its fields, "
+                                 f"got {type(value).__name__}")
+            if isinstance(value, Mapping):
+                TurnTakingConfig.from_dict(value)
         elif name == "max_streaming_seconds" and value is not None:
             try:
                 finite = math.isfinite(float(value))

@@ -30,8 +30,10 @@ from .conformer import ConformerRows
 from .diagnostics import synchronize
 from .gemma import TTSRows
 from .language_heads import fused_input, language_heads
+from .layers import linear
 from .nemotron_h import KVCache, LanguageRows, MambaCache
 from .rnnt import RnntState
+from .turn_taking import TurnTaking, TurnTakingConfig
 
 if TYPE_CHECKING:
     from .networks import VoiceChatNetworks
@@ -60,11 +62,17 @@ def _set(ref: _Ref, value: torch.Tensor) -> None:
 @dataclass
 class FrameInput:
     """One row's frame: 16 kHz samples ``[1280]``, the row's generator (None: the deterministic mode),
-    and its tool channel when it forces ids (tool results, ``force_tokens``)."""
+    and its tool channel when it forces ids (tool results, ``force_tokens``). With turn-taking: whether
+    the row is held this frame (a tool call in progress, or its text id forced: the policy skips it),
+    whether its text id is held at PAD (a tool call), and the start-of-call id that holds it from the
+    frame it appears on the function channel (-1: none)."""
 
     samples: np.ndarray
     generator: torch.Generator | None = None
     tools: ToolChannel | None = None
+    held: bool = False
+    pad_text: bool = False
+    call_start: int = -1
 
 
 @dataclass
@@ -101,6 +109,7 @@ class FrameStep:
         self._speech = model.tts_model
         self._codec = model.tts_model.audio_codec
         self.rows: list[RowState | None] = []  # by slot; None: a free slot
+        self._turns: TurnTaking | None = None  # the turn-taking policy, while any row has one
         # The cache-free diagnostics (one row): the audio window, and the LLM inputs so far.
         self._window_samples = self._perception.uncached_window_frames * cfg.input_frame_samples
         self._audio_window = torch.zeros(0, dtype=torch.float32, device=self.device)
@@ -124,6 +133,7 @@ class FrameStep:
                 buffers[i] = t.new_zeros(2 * batch, *t.shape[1:])
         self._codes = self._silence.repeat(batch, 1, 1)
         self._codec_cache = self._codec.new_cache(batch)
+        self._turns = None
 
     def _recurrent(self) -> list[tuple[_Ref, int, int]]:
         """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
@@ -159,6 +169,8 @@ class FrameStep:
             else:
                 t = t.narrow(axis, 0, batch * per).clone()
             _set(ref, t)
+        if self._turns is not None:
+            self._turns.resize(batch)
 
     @property
     def batch(self) -> int:
@@ -171,9 +183,10 @@ class FrameStep:
         return {"language": language, "tts": self._tts.nbytes}
 
     # ---- rows
-    def join(self, timeline: Timeline, rnnt_state: RnntState) -> int:
+    def join(self, timeline: Timeline, rnnt_state: RnntState, turn_taking: TurnTakingConfig | None = None) -> int:
         """A row (the first free slot, or a new one) with a freshly prefilled timeline's caches, which move
-        into it: the timeline's own are dropped. Returns the slot."""
+        into it: the timeline's own are dropped; ``turn_taking``: its policy (None: the raw model's ids).
+        Returns the slot."""
         if not (self.perception_cache and self.language_cache) and self.rows:
             raise ValueError("the cache-free diagnostics run one row")
         slot = next((i for i, s in enumerate(self.rows) if s is None), len(self.rows))
@@ -182,7 +195,23 @@ class FrameStep:
                 self._resize(slot + 1)
                 self.rows.append(None)
             self.rows[slot] = self._adopt(slot, timeline, rnnt_state)
+            self.set_turn_taking(slot, turn_taking)
         return slot
+
+    def set_turn_taking(self, slot: int, config: TurnTakingConfig | None) -> None:
+        """``slot``'s turn-taking policy from its next frame: switched on it starts fresh, new values keep
+        its state, None switches it off. With no row using it the policy costs nothing."""
+        if config is None and self._turns is None:
+            return
+        with torch.inference_mode():
+            if self._turns is None:
+                cfg = self.config
+                self._turns = TurnTaking(None, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
+                                         pad_id=cfg.pad_token_id, batch=self.batch, device=self.device,
+                                         rnnt_vocabulary=cfg.rnnt_vocabulary)
+            self._turns.configure(slot, config)
+        if not self._turns.active:
+            self._turns = None
 
     def _adopt(self, r: int, timeline: Timeline, rnnt_state: RnntState) -> RowState:
         for ref, axis, per in self._buffers():
@@ -223,6 +252,7 @@ class FrameStep:
         """Free ``slot``; trailing free slots are cut off (their rows freed), and with none left the
         caches are empty."""
         self.rows[slot] = None
+        self.set_turn_taking(slot, None)
         while self.rows and self.rows[-1] is None:
             self.rows.pop()
         with torch.inference_mode():
@@ -236,7 +266,8 @@ class FrameStep:
     # ---- the step
     def run(self, inputs: dict[int, FrameInput], profile: bool = False) -> tuple[np.ndarray, list[float]]:
         """One frame for each slot in ``inputs``; the other rows sit out. Returns ``[batch, values]``: each
-        row's transcript ids, (text, function) ids, codes and samples, read from the device at once, and
+        row's transcript ids, (text, function) ids, codes and samples (then, while a row has turn-taking,
+        each row's reason code: bits of ``turn_taking.REASONS``), read from the device at once, and
         the stage marks (``time.perf_counter()`` at the start and after perception, RNNT, LLM, TTS and
         codec, each after a device sync when ``profile``; else the start and the end)."""
         cfg, device, batch = self.config, self.device, self.batch
@@ -283,14 +314,24 @@ class FrameStep:
         window = self._speech.tts_model.backbone.window
         sizes = (6 * batch, 2 * batch, 2 * batch, 2 * batch, batch, batch * length)
         host = np.concatenate([ints.ravel(), np.arange(2 * batch), tts2, tts2 % window, slot, columns.ravel()])
+        turns = self._turns
+        if turns is not None:  # per row: held, text held at PAD, start-of-call id (rides in the same copy)
+            holds = np.zeros((3, batch), dtype=np.int64)
+            holds[2] = -1
+            for r, given in inputs.items():
+                holds[:, r] = (given.held, given.pad_text, given.call_start)
+            sizes += (3 * batch,)
+            host = np.concatenate([host, holds.ravel()])
         with torch.inference_mode():
-            table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns = \
+            table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns, *hold = \
                 torch.from_numpy(host).to(device).split(sizes)
             table = table.view(6, batch)
             frame_index, llm_pos = table[0], table[1]
             if mixed:
                 deterministic = torch.tensor([g is None for g in generators], device=device)
-            saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in self._recurrent()]
+            state = self._recurrent() if turns is None else \
+                self._recurrent() + [((turns, name), 0, 1) for name in turns.STATE]
+            saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in state]
             encoder = self._perception.encoder
             self._conformer.least, self._conformer.aligned = least, aligned
             conformer_rows = ConformerRows(row_numbers[:batch], conformer_slot, conformer_columns.view(batch, length),
@@ -298,6 +339,10 @@ class FrameStep:
             projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index, conformer_rows)
             mark()
             transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
+            if turns is not None:
+                user_blank = transcript_ids[0] < 0  # the frame's first argmax was blank (before punctuation)
+                if turns.punctuating:
+                    transcript_ids = self._punctuate(turns, encoded, transcript_ids)
             mark()
             fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
                                 cfg.function_channel_weight)
@@ -311,6 +356,8 @@ class FrameStep:
             for r, given in inputs.items():  # force_tokens / a tool result: queued ids replace this row's outputs
                 if given.tools is not None and given.tools.forcing:
                     ids[r] = given.tools.apply(ids[r])
+            if turns is not None:
+                ids = self._take_turns(turns, ids, user_blank, hold[0].view(3, batch))
             self._ids = ids
             mark()
             end = int(ints[2].max()) + 1
@@ -332,8 +379,10 @@ class FrameStep:
                 _set(ref, torch.where(keep, _get(ref), before))
             # One host read for the whole batch: cat promotes the ids to the samples' float32 (a no-op
             # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
-            packed = torch.cat([transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()],
-                               dim=1).numpy(force=True)
+            values = [transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()]
+            if turns is not None:
+                values.append(turns.reason[:, None])
+            packed = torch.cat(values, dim=1).numpy(force=True)
         stamps.append(time.perf_counter())
         for r in inputs:
             row = self.rows[r]
@@ -342,6 +391,31 @@ class FrameStep:
             row.frame_index += 1
             row.timeline_index += 1
         return packed, stamps
+
+    def _punctuate(self, turns: TurnTaking, encoded: torch.Tensor, transcript_ids: torch.Tensor) -> torch.Tensor:
+        """The transcript punctuation bias (``TurnTaking.punctuate``) on the frame's RNNT ids: the joint's
+        first prediction again (a blank row's state is the one it was made from), and the predictor
+        advanced through the punctuation a row emits."""
+        joint, decoder = self._transcriber.joint, self._transcriber.decoder
+        hc = self._rnnt.hc
+        frame_bias = joint.enc(encoded.reshape(encoded.shape[0], -1)) + joint.pred.bias
+        logits = joint.joint_net(linear(hc[-1], joint.pred.weight, frame_bias))
+        transcript_ids, emit = turns.punctuate(logits, transcript_ids)
+        advanced = decoder.step(decoder.input_gates(transcript_ids[0].clamp(min=0)), hc[:2 * decoder.layers],
+                                with_output=True)
+        self._rnnt.hc = torch.where(emit[:, None], advanced, hc)
+        return transcript_ids
+
+    def _take_turns(self, turns: TurnTaking, ids: torch.Tensor, user_blank: torch.Tensor,
+                    hold: torch.Tensor) -> torch.Tensor:
+        """The policy on the frame's ``[batch, 2]`` ids, after tool forcing (NVIDIA's frame order): a tool
+        call holds the text at PAD from its start-of-call token on, and a held row skips the policy;
+        ``user_blank`` is the RNNT's first argmax of the frame being blank (it emitted nothing)."""
+        held, pad_text, call_start = hold.unbind(0)
+        starts = ids[:, 1] == call_start
+        text = torch.where(pad_text.bool() | starts, self.config.pad_token_id, ids[:, 0])
+        text = turns.step(text, user_blank, held.bool() | starts)
+        return torch.stack([text, ids[:, 1]], dim=1)
 
     def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor,
                   rows: ConformerRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,10 +205,21 @@ class Int4Kernel:
         if self.device_type == "cpu":
             # The CPU converter takes int32 codes, 8x the packed bytes (4.7 GB for the fused 11B heads):
             # convert 64-row blocks (the layout's unit, so the pieces concatenate), 16 MB of codes at a time.
+            # Each block is written into the result as it is made: no list of blocks, no cat (at the full
+            # size that was two more copies of the fused heads, 1.2 GB, at the peak of the load).
             step = 64 * max(1, (1 << 22) // (64 * in_features))
             raw = words.contiguous().view(torch.uint8)
-            return torch.cat([self.convert(_lsb_first_codes(raw[i:i + step]).to(torch.int32), 2)
-                              for i in range(0, words.shape[0], step)])
+            n, out = words.shape[0], None
+            for i in range(0, n, step):
+                block = self.convert(_lsb_first_codes(raw[i:i + step]).to(torch.int32), 2)
+                if out is None:  # the layout keeps a row's bytes in its row ([N, K/2] uint8 in torch 2.13)
+                    if block.shape[0] != min(step, n):
+                        return torch.cat([block] + [self.convert(_lsb_first_codes(raw[j:j + step]).to(torch.int32), 2)
+                                                    for j in range(step, n, step)])
+                    out = block.new_empty((n, *block.shape[1:]))
+                out[i:i + block.shape[0]] = block
+            assert out is not None  # N >= 16
+            return out
         # MPS/CUDA converters take gpt-fast's byte (even k in the high nibble): swap MLX's nibbles.
         raw = words.contiguous().view(torch.uint8).reshape(words.shape[0], in_features // 2)
         return self.convert(((raw & 0x0F) << 4) | (raw >> 4), 2)

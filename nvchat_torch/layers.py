@@ -111,9 +111,21 @@ def pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 class Conv1d(nn.Conv1d):
-    """``nn.Conv1d`` computed as MLX's (see :func:`_conv`)."""
+    """``nn.Conv1d`` computed as MLX's (see :func:`_conv`). A depthwise conv over exactly its kernel's
+    width (a streaming step's window, one output frame) in float32 is a batched matmul over the
+    channels instead, ``bias + window . weight`` per channel, one kernel either way: torch's CPU conv
+    (oneDNN) spends ~180 us setting up each such call against ~10 us for the matmul (measured,
+    docs/performance.md), and the step has one per Mamba and Conformer layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, k = self.in_channels, self.kernel_size[0]
+        if self.groups == c == self.out_channels and x.shape[-1] == k and self.padding == (0,) \
+                and promoted(x, self.weight, self.bias) == torch.float32:
+            window = x.permute(1, 0, 2)  # [C, B, K]
+            weight = _as(self.weight, torch.float32).view(c, k, 1)
+            if self.bias is None:
+                return torch.bmm(window, weight).permute(1, 0, 2)
+            return torch.baddbmm(_as(self.bias, torch.float32).view(c, 1, 1), window, weight).permute(1, 0, 2)
         return _conv(self, x)
 
 

@@ -13,7 +13,7 @@ from typing_extensions import Self
 from .checkpoint import cast
 from .config import VoiceChatConfig
 from .perception import Perception
-from .diagnostics import model_bytes
+from .diagnostics import model_bytes, return_freed_memory
 from .int4pack import Int4Kernel
 from .layers import Linear, swap_modules
 from .language_heads import fuse_heads
@@ -108,6 +108,7 @@ class VoiceChatNetworks(nn.Module):
             del self.stt_model.lm_head, self.stt_model.function_head
         if int4:
             pack_int4(self, dtype=self.dtype, kernel=kernel)
+        return_freed_memory()
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
 

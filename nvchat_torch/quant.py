@@ -270,7 +270,7 @@ class Int4PackedLinear(nn.Module):
         self.kernel = kernel
         # The kernels want N % 16 == 0: pad with zero rows (their outputs are sliced away, a view).
         pad = -src.out_features % 16
-        words = F.pad(src.weight.view(torch.int32), (0, 0, 0, pad)).view(torch.uint32)
+        words = src.weight if not pad else F.pad(src.weight.view(torch.int32), (0, 0, 0, pad)).view(torch.uint32)
         s, b = F.pad(src.scales.float(), (0, 0, 0, pad)), F.pad(src.biases.float(), (0, 0, 0, pad))
         sz = torch.stack((s, b + 8.0 * s), dim=-1).transpose(0, 1).contiguous()  # [K/gs, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype))

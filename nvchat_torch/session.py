@@ -11,7 +11,8 @@ per stage when profiling).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -32,6 +33,7 @@ from .frame_step import FrameInput, FrameStep
 from .rnnt import TranscriptText
 from .timeline import Timeline
 from .tools import ToolChannel, render_system_prompt
+from .turn_taking import TurnTakingConfig, reasons_of
 
 if TYPE_CHECKING:
     from .networks import VoiceChatNetworks
@@ -121,7 +123,7 @@ class StreamingSession:
     def _join(self) -> None:
         """The prefilled timeline's caches move into this session's row (if it runs its own frames)."""
         if self._frames is not None:
-            self._slot = self._frames.join(self._timeline, self._rnnt_state)
+            self._slot = self._frames.join(self._timeline, self._rnnt_state, self.options.turn_taking)
 
     def _finish_prefill(self) -> None:
         while not self.prefill_step():
@@ -282,9 +284,26 @@ class StreamingSession:
 
     # ---- what a frame step takes from this session and gives back (its own, or an engine's)
     def frame_input(self, samples: np.ndarray) -> FrameInput:
-        """This session's row of a frame step: the samples, its generator (none when deterministic) and
-        its tool channel (the ids it forces)."""
-        return FrameInput(samples, None if self.options.deterministic else self._timeline.generator, self._tools)
+        """This session's row of a frame step: the samples, its generator (none when deterministic), its
+        tool channel (the ids it forces) and, with turn-taking, what holds it: a tool call in progress
+        (from its start-of-call token until its result has been fed in) or a forced text id."""
+        generator = None if self.options.deterministic else self._timeline.generator
+        if self.options.turn_taking is None:
+            return FrameInput(samples, generator, self._tools)
+        tools = self._tools
+        in_call = tools.in_call or bool(tools.awaiting) or tools.injecting
+        forced = tools.text_forced
+        return FrameInput(samples, generator, tools, held=in_call or forced, pad_text=in_call and not forced,
+                          call_start=tools.start_id if tools.parsing else -1)
+
+    def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
+        """Turn-taking from the next frame on (see ``StreamingOptions.turn_taking``): switched on it starts
+        fresh, new values keep its state (whether the agent speaks, the counters), None switches it off."""
+        self._check_usable("set_turn_taking")
+        self.options = replace(self.options, turn_taking=config)  # checked; options may be shared
+        config = self.options.turn_taking
+        if self._slot is not None:
+            self._frames.set_turn_taking(self._slot, config)
 
     def frame_done(self, packed: np.ndarray, stamps: list[float]) -> list[VoiceChatEvent]:
         """The events of this session's row of a step that ran (``packed``: its values, read from the
@@ -303,12 +322,16 @@ class StreamingSession:
         text_id, function_id = int(packed[n_rnnt]), int(packed[n_rnnt + 1])
         self.last_ids = (text_id, function_id)  # PAD and EOS included: servers read turn ends from them
         codes = packed[n_rnnt + 2:n_rnnt + 2 + q].astype(np.int32)
-        samples = packed[n_rnnt + 2 + q:].astype(np.float32)
+        end = n_rnnt + 2 + q + self.config.output_frame_samples
+        samples = packed[n_rnnt + 2 + q:end].astype(np.float32)
         i = self.frame_index
         events = []
         update = self._transcript.update(transcript_ids.tolist())
         if update is not None:
             events.append(VoiceChatEvent("user_transcript_delta", i, delta=update[0], text=update[1]))
+        if packed.shape[0] > end:  # a step with turn-taking: the row's reason code (0 without a policy)
+            events += [VoiceChatEvent("turn", i, token_id=text_id, reason=reason)
+                       for reason in reasons_of(int(packed[end]))]
         for kind, acc, token in (("assistant_text_delta", self._text, text_id),
                                  ("function_delta", self._function, function_id)):
             update = acc.append(token)

@@ -308,3 +308,19 @@ class ToolChannel:
     def awaiting(self) -> list[str]:
         """The call ids still waiting for a result."""
         return list(self._spans)
+
+    # ---- what turn-taking holds (nvchat_torch.turn_taking): read before a frame
+    @property
+    def in_call(self) -> bool:
+        """A call span is open: its start token came, its end token not yet."""
+        return self._open is not None
+
+    @property
+    def injecting(self) -> bool:
+        """Tool-result ids are still queued on the function channel."""
+        return any(self._injected)
+
+    @property
+    def text_forced(self) -> bool:
+        """The next frame's text id is forced (``force`` or a result's PAD)."""
+        return bool(self._text) and self._text[0] is not None
