@@ -6,7 +6,7 @@
     events = session.push_audio(samples, 16000) + session.flush()
 """
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import BadWeightsWarning, CheckpointError, load_checkpoint
 from .config import ConfigError, VoiceChatConfig
 from .engine import BatchEngine, EngineSession
 from .events import ContextLimit, StreamingOptions, VoiceChatEvent, VoiceChatProfile, VoiceChatResult
@@ -18,6 +18,7 @@ from .turn_taking import TurnTaking, TurnTakingConfig
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadWeightsWarning",
     "BatchEngine",
     "EngineSession",
     "CheckpointError",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -20,15 +21,22 @@ from torch import nn
 
 from .config import ConfigError, QuantSpec, VoiceChatConfig
 from .quant import dequantize
+from .safetensors_file import SafetensorsFile
 
 __all__ = [
     "CheckpointError",
+    "BadWeightsWarning",
+    "is_release_config",
+    "config_field",
     "Checkpoint",
     "resolve_checkpoint",
     "load_checkpoint",
     "KEEP_FLOAT32",
     "cast",
 ]
+
+# NeMo's featurizer buffers: kept in the cards, dropped by the reference's sanitize, unused here.
+UNUSED_PREFIX = "stt_model.perception.preprocessor."
 
 # Tensors the reference keeps in float32 whatever the load dtype (its cast predicate).
 KEEP_FLOAT32 = ("A_log",)
@@ -56,11 +64,109 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or inconsistent; the message names the file (and key)."""
 
 
-def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
+class BadWeightsWarning(UserWarning):
+    """A checkpoint holds all-zero or non-finite tensors (a broken upload: the model then emits only PAD)."""
+
+
+def is_release_config(values: Any) -> bool:
+    """Whether a parsed config.json is NVIDIA's NeMo training config (``model.stt``/``model.speech_generation``,
+    no ``model_type``) rather than the flat runtime config of the mlx-community cards."""
+    return (isinstance(values, dict) and "model_type" not in values and isinstance(values.get("model"), dict)
+            and "stt" in values["model"] and "speech_generation" in values["model"])
+
+
+# Which config section sizes the tensors under a key prefix (first match wins).
+_CONFIG_SECTIONS = (
+    ("stt_model.perception.preprocessor.", ("audio_config.preprocessor",)),
+    ("stt_model.perception.proj", ("audio_config", "text_config")),
+    ("stt_model.perception.", ("audio_config.encoder",)),
+    ("stt_model.rnnt_decoder.", ("audio_config.decoder",)),
+    ("stt_model.rnnt_joint.", ("audio_config.joint",)),
+    ("stt_model.", ("text_config",)),
+    ("tts_model.audio_codec.", ("codec_config",)),
+    ("tts_model.", ("tts_config", "text_config")),
+)
+
+
+def config_field(config: VoiceChatConfig, key: str, expected: tuple[int, ...], got: tuple[int, ...]) -> str:
+    """The config field(s) that set the size in which tensor ``key``'s ``got`` shape disagrees with the
+    ``expected`` one, e.g. ``text_config.hidden_size = 4480``; else the config section that sizes it."""
+    sections = next((names for prefix, names in _CONFIG_SECTIONS if key.startswith(prefix)), ("text_config",))
+    sizes = {e for i, e in enumerate(expected) if i >= len(got) or got[i] != e} or set(expected)
+    found: list[str] = []
+
+    def visit(obj: Any, name: str) -> None:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                visit(value, f"{name}.{f.name}")
+            elif isinstance(value, int) and not isinstance(value, bool) and value in sizes:
+                found.append(f"{name}.{f.name} = {value}")
+
+    for section in sections:
+        obj: Any = config
+        for part in section.split("."):
+            obj = getattr(obj, part)
+        if section == "audio_config":  # only its own top-level sizes (output_dim), not the sub-configs'
+            found += [f"audio_config.output_dim = {obj.output_dim}"] if obj.output_dim in sizes else []
+        else:
+            visit(obj, section)
+    if found:
+        return "config field " + " or ".join(found[:3])
+    return f"a size set by config section {sections[0]}"
+
+
+class WeightAudit:
+    """All-zero and non-finite floating tensors seen while a checkpoint is read, warned about once."""
+
+    CHUNK = 1 << 24
+
+    def __init__(self, where: Path):
+        self.where = where
+        self.all_zero: dict[str, bool] = {}
+        self.non_finite: set[str] = set()
+        self.warned = False
+
+    def see(self, key: str, t: torch.Tensor) -> None:
+        """Record tensor ``key`` (or one more piece of it: it is all zero only if every piece is). The NeMo
+        featurizer buffers are not checked: neither the reference nor this port reads them."""
+        if not t.is_floating_point() or t.numel() == 0 or key.startswith(UNUSED_PREFIX):
+            return
+        finite, zero = True, True
+        for part in t.reshape(-1).split(self.CHUNK):
+            finite = finite and bool(torch.isfinite(part).all())
+            zero = zero and not bool(part.count_nonzero())
+        if not finite:
+            self.non_finite.add(key)
+        self.all_zero[key] = self.all_zero.get(key, True) and zero
+
+    def see_packed(self, path: str, raw: "PackedTensors") -> None:
+        """A packed module is all zero when its codes and biases are (how MLX encodes zeros)."""
+        for name, t in (("scales", raw.scales), ("biases", raw.biases)):
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                self.non_finite.add(f"{path}.{name}")
+        codes = raw.weight.view(torch.int32) if raw.weight.dtype == torch.uint32 else raw.weight
+        zero = raw.biases is not None and not bool(raw.biases.count_nonzero()) and not bool(codes.count_nonzero())
+        self.all_zero[f"{path}.weight"] = self.all_zero.get(f"{path}.weight", True) and zero
+
+    def warn(self) -> None:
+        zero = sorted(k for k, z in self.all_zero.items() if z)
+        if self.warned or not (zero or self.non_finite):
+            return
+        self.warned = True
+        parts = [f"{len(zero)} all-zero tensor(s): {', '.join(zero)}"] if zero else []
+        if self.non_finite:
+            parts.append(f"{len(self.non_finite)} tensor(s) with NaN/inf values: {', '.join(sorted(self.non_finite))}")
+        warnings.warn(f"{self.where}: the checkpoint holds {'; and '.join(parts)}. A broken or partial upload? "
+                      "The model's output is then meaningless (e.g. only PAD); download it again or use "
+                      "another revision.", BadWeightsWarning, stacklevel=3)
+
+
+def resolve_checkpoint(path_or_repo_id: str | os.PathLike, allow_patterns: list[str] | None = None) -> Path:
     """A local checkpoint folder, or a Hub repo id fetched with ``huggingface_hub.snapshot_download``.
 
     The Hub cache and ``HF_HUB_OFFLINE`` are honoured; offline with nothing cached is a
-    ``CheckpointError`` that says so.
+    ``CheckpointError`` that says so. ``allow_patterns``: the files to fetch (default: a checkpoint's).
     """
     text = os.fspath(path_or_repo_id)
     local = Path(text).expanduser()
@@ -82,7 +188,8 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
         raise CheckpointError(f"{text}: downloading from the Hub needs huggingface_hub ({e})") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(text, allow_patterns=allow_patterns or _HUB_PATTERNS,
+                                      local_files_only=offline))
     except LocalEntryNotFoundError:
         hint = ("HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it"
                 if offline else "the Hub could not be reached and the Hugging Face cache has no copy of it")
@@ -111,13 +218,19 @@ class Checkpoint:
     Shards are memory-mapped by safetensors; :meth:`get` reads one tensor.
     """
 
+    layout_name = "mlx-community layout (flat config.json)"
+
     def __init__(self, folder: str | os.PathLike, config: VoiceChatConfig | None = None):
         from safetensors import safe_open
 
         self.folder = Path(folder)
+        if config is None:
+            self._refuse_release_config()
         self.config = config if config is not None else VoiceChatConfig.from_file(self.folder / "config.json")
+        self.audit = WeightAudit(self.folder)
         index = self.folder / "model.safetensors.index.json"
-        self._handles: dict[str, Any] = {}  # safetensors safe_open handles
+        self._handles: dict[str, Any] = {}  # safetensors safe_open handles (the headers; slices)
+        self._files: dict[str, SafetensorsFile] = {}  # whole tensors (get)
         self.key_to_file: dict[str, str] = {}
         if index.exists():
             try:
@@ -158,6 +271,17 @@ class Checkpoint:
                     raise CheckpointError(f"{self.folder / name}: has no tensor '{k}', which "
                                           f"model.safetensors.index.json places there")
 
+    def _refuse_release_config(self) -> None:
+        try:
+            values = json.loads((self.folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # VoiceChatConfig.from_file names the problem
+        if is_release_config(values):
+            raise CheckpointError(f"{self.folder / 'config.json'}: NVIDIA release layout (NeMo's nested training "
+                                  "config, no model_type): open it with nvchat_torch.load_model, "
+                                  "nvchat_torch.nvidia_release.ReleaseCheckpoint, or convert it with "
+                                  "`python -m nvchat_torch.convert`")
+
     # ---- raw access
     def keys(self) -> list[str]:
         return sorted(self.key_to_file)
@@ -172,8 +296,10 @@ class Checkpoint:
         name = self.key_to_file.get(key)
         if name is None:
             raise CheckpointError(f"{self.folder}: no tensor '{key}' in any shard")
-        try:
-            return self._handles[name].get_tensor(key)
+        try:  # positioned reads into the tensor's own memory: no file page stays mapped (safetensors_file.py)
+            if name not in self._files:
+                self._files[name] = SafetensorsFile(self.folder / name)
+            return self._files[name].read(key)
         except Exception as e:
             raise CheckpointError(f"{self.folder / name}: cannot read '{key}' (truncated or corrupt?): {e}") from None
 
@@ -294,11 +420,13 @@ class Checkpoint:
                     yield f"{path}.weight", w.to(device, w.dtype if dtype is None else dtype)
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(path + '.weight')}: '{path}': {e}") from None
+            self.audit.see_packed(path, raw)
             del raw
         for key in self.keys():
             if key in packed_keys:
                 continue
             t = self.get(key)
+            self.audit.see(key, t)
             if t.is_floating_point() and dtype is None:
                 t = t.to(device)
             elif t.is_floating_point():
@@ -307,9 +435,11 @@ class Checkpoint:
             else:
                 t = t.to(device)
             yield key, t
+        self.audit.warn()
 
     def close(self) -> None:
         self._handles.clear()
+        self._files.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -44,9 +44,10 @@ class HeadOutputs:
         return self.ids[..., 1]
 
 
-def fuse_heads(lm_head: nn.Module, function_head: nn.Module) -> nn.Module:
-    """``lm_head`` and ``function_head`` as one linear (outputs concatenated), for :func:`language_heads`."""
-    return concat_linears([lm_head, function_head])
+def fuse_heads(lm_head: nn.Module, function_head: nn.Module, release: bool = False) -> nn.Module:
+    """``lm_head`` and ``function_head`` as one linear (outputs concatenated), for :func:`language_heads`;
+    ``release``: the two are discarded after (see :func:`~nvchat_torch.quant.concat_linears`)."""
+    return concat_linears([lm_head, function_head], release=release)
 
 
 def language_heads(hidden: torch.Tensor, lm_head: nn.Module, function_head: nn.Module | None = None) -> HeadOutputs:

@@ -24,18 +24,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, resolve_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, config_field, resolve_checkpoint
 from .config import QuantSpec, VoiceChatConfig
-from .diagnostics import model_bytes
+from .diagnostics import device_memory, model_bytes
 from .events import StreamingOptions, VoiceChatResult
 from .networks import DuplexSTTModel, VoiceChatNetworks
+from .nvidia_release import ReleaseCheckpoint, base_config, is_release_folder, resolve_tokenizer
 from .quant import QuantizedEmbedding, QuantizedLinear, quantize_modules
 
 if TYPE_CHECKING:
     from .engine import BatchEngine
     from .session import StreamingSession
 
-__all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "default_device", "default_dtype"]
+__all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "open_checkpoint", "default_device",
+           "default_dtype"]
 
 
 class VoiceChatModel(VoiceChatNetworks):
@@ -161,17 +163,65 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor, where: Path) -> No
                 tensor = tensor.permute(perm).contiguous()
                 break
         else:
+            config = getattr(model, "config", None)
+            field = "" if config is None else ": " + config_field(config, key, tuple(current.shape),
+                                                                   tuple(tensor.shape))
             raise CheckpointError(f"{where}: '{key}' has shape {list(tensor.shape)}, the model expects "
-                                  f"{list(current.shape)}")
+                                  f"{list(current.shape)}{field}")
     if slot is owner._parameters:
         slot[name] = nn.Parameter(tensor, requires_grad=False)
     else:
         slot[name] = tensor
 
 
+def quantize_spec(quantize: dict[str, Any] | QuantSpec | None) -> QuantSpec | None:
+    """``load_model``'s ``quantize`` argument (``{"bits": 4 | 8, "group_size": 64}``) as a checked spec."""
+    if quantize is None or isinstance(quantize, QuantSpec):
+        spec = quantize
+    elif isinstance(quantize, dict) and set(quantize) <= {"bits", "group_size", "mode"} and "bits" in quantize:
+        spec = QuantSpec(int(quantize["bits"]), int(quantize.get("group_size", 64)), str(quantize.get("mode", "affine")))
+    else:
+        raise ValueError(f"quantize must be None or {{'bits': 4 | 8, 'group_size': 64}}, got {quantize!r}")
+    if spec is not None:
+        if spec.mode != "affine":
+            raise ValueError(f"quantize: only MLX's affine mode is made at load (the cards' mode), got {spec.mode!r}")
+        spec.validate("quantize")
+    return spec
+
+
+def open_checkpoint(folder: Path, tokenizer: str | os.PathLike | None = None,
+                    quantize: QuantSpec | None = None) -> tuple[Checkpoint, Path]:
+    """The checkpoint in ``folder``, in either layout, and the folder of its LLM tokenizer.
+
+    NVIDIA's release (nested NeMo config) takes its tokenizer and base LLM config from ``tokenizer``
+    (default: Nemotron-Nano-9B-v2's repo); with ``quantize`` it is read as the card made from it:
+    what the mlx-community cards quantize, quantized as ``mx.quantize`` does, the rest in bf16."""
+    if not is_release_folder(folder):
+        if quantize is not None:
+            raise ValueError(f"{folder}: quantize= makes a card from NVIDIA's float32 release; this is an "
+                             "mlx-community checkpoint, whose layout is already fixed (load it as it is, or load "
+                             "the 4-bit or 8-bit card)")
+        return Checkpoint(folder), folder if tokenizer is None else resolve_tokenizer(tokenizer)
+    tokenizer_folder = resolve_tokenizer(tokenizer)
+    ckpt = ReleaseCheckpoint(folder, base_config(tokenizer_folder))
+    if quantize is not None:
+        ckpt.as_card(mlx_community_specs(build_model(ckpt.config), quantize.bits, quantize.group_size))
+    return ckpt, tokenizer_folder
+
+
 def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, weights: str = "auto", *, prepare: bool = True) -> VoiceChatModel:
+               dtype: torch.dtype | None = None, weights: str = "auto", *, prepare: bool = True,
+               tokenizer: str | os.PathLike | None = None,
+               quantize: dict[str, Any] | QuantSpec | None = None) -> VoiceChatModel:
     """Load a NemotronLabs VoiceChat checkpoint (local folder or Hub repo id) for inference.
+
+    Two layouts load: the mlx-community cards (flat config.json, shards), and NVIDIA's own release
+    (NeMo's nested config.json, one float32 model.safetensors), detected by its config. The release
+    ships no LLM tokenizer: ``tokenizer`` (a folder or Hub repo id, default
+    ``nvidia/NVIDIA-Nemotron-Nano-9B-v2``) gives it, and its config.json the LLM sizes. For a card,
+    ``tokenizer`` replaces the card's own. ``quantize={"bits": 4 | 8, "group_size": 64}`` reads the
+    release as the card made from it (see docs/checkpoints.md): each matrix is quantized as it is
+    read, so the load peaks near the quantized size.
 
     ``device``: None = mps > cuda > cpu. ``dtype`` picks the mode:
 
@@ -195,11 +245,13 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     """
     if weights not in ("auto", "packed", "dequantized"):
         raise ValueError(f"weights must be 'auto', 'packed' or 'dequantized', got {weights!r}")
+    spec = quantize_spec(quantize)
     folder = resolve_checkpoint(path_or_repo_id)
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     check_dtype(dtype)
-    with Checkpoint(folder) as ckpt:
+    ckpt, tokenizer_folder = open_checkpoint(folder, tokenizer, spec)
+    with ckpt:
         quantized = ckpt.quantized_modules()
         if weights == "auto":
             weights = "dequantized" if auto_dequantizes(ckpt, quantized, device, dtype) else "packed"
@@ -213,8 +265,8 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
             seen.add(key)
         missing = sorted(expected - seen)
         if missing:
-            raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs, "
-                                  f"e.g. {', '.join(missing[:5])}")
+            raise CheckpointError(f"{folder} ({ckpt.layout_name}): the checkpoint lacks {len(missing)} tensor(s) "
+                                  f"the model needs, e.g. {', '.join(missing[:5])}")
     for module in model.modules():  # MLX dequantizes to the scales' dtype
         if dtype is None and isinstance(module, QuantizedEmbedding):
             scales = module.get_buffer("scales")
@@ -224,7 +276,7 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     model.init_constants(device)
     model.eval().requires_grad_(False)
     model.source = str(path_or_repo_id)
-    model.set_tokenizer(load_tokenizer(folder))
+    model.set_tokenizer(load_tokenizer(tokenizer_folder))
     return model.prepare() if prepare else model
 
 
@@ -250,11 +302,7 @@ def auto_dequantizes(ckpt: Checkpoint, quantized: dict[str, QuantSpec], device: 
             return False
         rows, words = ckpt.shape(f"{path}.weight")
         dense += rows * words * 32 // spec.bits * 4
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-    else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return dense <= memory // 4
+    return dense <= device_memory(device) // 4
 
 
 def check_dtype(dtype: torch.dtype | None) -> None:
@@ -268,9 +316,11 @@ def check_dtype(dtype: torch.dtype | None) -> None:
 
 
 def load_tokenizer(folder: Path) -> Any:
-    """The LLM tokenizer shipped with the checkpoint (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    """The LLM tokenizer in ``folder`` (``tokenizer.json`` + ``tokenizer_config.json``): the card's own, or
+    the one ``load_model(tokenizer=...)`` names (NVIDIA's release ships none)."""
     from transformers import PreTrainedTokenizerFast
 
     if not (Path(folder) / "tokenizer.json").exists():
-        raise CheckpointError(f"{folder}: no tokenizer.json (the LLM tokenizer is part of the checkpoint)")
+        raise CheckpointError(f"{folder}: no tokenizer.json (the LLM tokenizer: a card ships it; for NVIDIA's "
+                              "release pass tokenizer= the Nemotron-Nano-9B-v2 folder or repo id)")
     return PreTrainedTokenizerFast.from_pretrained(str(folder))

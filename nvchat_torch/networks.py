@@ -104,7 +104,7 @@ class VoiceChatNetworks(nn.Module):
         self.stt_model.llm.fuse()
         self.tts_model.fuse()
         if self.fused_heads is None:
-            self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head)
+            self.fused_heads = fuse_heads(self.stt_model.lm_head, self.stt_model.function_head, release=True)
             del self.stt_model.lm_head, self.stt_model.function_head
         if int4:
             pack_int4(self, dtype=self.dtype, kernel=kernel)

@@ -420,11 +420,13 @@ def quantize_modules(model: nn.Module, specs: Mapping[str, QuantSpec], scale_dty
     return done
 
 
-def concat_linears(linears: list[nn.Module]) -> nn.Module:
+def concat_linears(linears: list[nn.Module], release: bool = False) -> nn.Module:
     """One linear computing ``cat([l(x) for l in linears], -1)``: the fused-QKV / gate-up transform.
 
     Works for ``nn.Linear`` and for ``QuantizedLinear`` of one spec (packed rows concatenate,
-    so the fused module is exactly as accurate as the separate ones).
+    so the fused module is exactly as accurate as the separate ones). ``release``: the sources are
+    discarded after (their tensors are dropped as each is copied in), so the peak is the fused module
+    plus one source, not two copies of everything (the 11B's fused vocabulary heads: 0.7 GB less).
     """
     first = linears[0]
     if not all(l.in_features == first.in_features for l in linears):
@@ -432,16 +434,13 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module:
     has_bias = [l.bias is not None for l in linears]
     out = sum(l.out_features for l in linears)
     if all(isinstance(l, nn.Linear) for l in linears):
-        w = torch.cat([l.weight.data for l in linears], 0)
-        fused = Linear(first.in_features, out, bias=any(has_bias), device=w.device, dtype=w.dtype)
-        fused.weight.data = w
+        fused = Linear(first.in_features, out, bias=False, device="meta")  # no weight made, none initialised
+        fused.weight = nn.Parameter(_stacked(linears, "weight", release), requires_grad=False)
     elif all(isinstance(l, QuantizedLinear) and l.spec == first.spec for l in linears):
-        fused = QuantizedLinear(first.in_features, out, any(has_bias), first.spec, first.scales.dtype,
-                                first.weight.device)
-        fused.weight = torch.cat([l.weight for l in linears], 0)
-        fused.scales = torch.cat([l.scales for l in linears], 0)
-        if first.biases is not None:
-            fused.biases = torch.cat([l.biases for l in linears], 0)
+        fused = QuantizedLinear(first.in_features, out, False, first.spec, first.scales.dtype, "meta")
+        fused.weight = _stacked(linears, "weight", release)
+        fused.scales = _stacked(linears, "scales", release)
+        fused.biases = None if first.biases is None else _stacked(linears, "biases", release)
     else:
         raise TypeError("concat_linears: mix of linear kinds or quantization specs: "
                         + ", ".join(type(l).__name__ for l in linears))
@@ -449,13 +448,29 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module:
         ref = next(l.bias for l in linears if l.bias is not None)
         fused.bias = nn.Parameter(torch.cat([
             l.bias.data if l.bias is not None else torch.zeros(l.out_features, dtype=ref.dtype, device=ref.device)
-            for l in linears]))
+            for l in linears]), requires_grad=False)
     return fused
+
+
+def _stacked(linears: list[nn.Module], name: str, release: bool) -> torch.Tensor:
+    """The linears' tensors ``name`` stacked along rows, copied into one new tensor; with ``release``,
+    each source's tensor is dropped from its module once copied (a linear listed twice is kept)."""
+    first = getattr(linears[0], name)
+    out = first.new_empty((sum(getattr(l, name).shape[0] for l in linears), *first.shape[1:]))
+    del first
+    row = 0
+    for i, linear in enumerate(linears):
+        part = getattr(linear, name).detach()
+        out[row:row + part.shape[0]] = part
+        row += part.shape[0]
+        if release and all(l is not linear for l in linears[i + 1:]):
+            setattr(linear, name, None)
+    return out
 
 
 def fuse_linears(module: nn.Module, names: list[str], fused: str) -> None:
     """Replace ``module``'s linears ``names`` by one, ``fused``, that computes their outputs concatenated."""
-    setattr(module, fused, concat_linears([getattr(module, name) for name in names]))
+    setattr(module, fused, concat_linears([getattr(module, name) for name in names], release=True))
     for name in names:
         delattr(module, name)
 
