@@ -99,6 +99,7 @@ class VoiceChatNetworks(nn.Module):
         activation dtype: see :func:`~nvchat_torch.quant.pack_int4`). ``kernel``: the int4pack layout and
         op to pack for (default: the device's, :func:`~nvchat_torch.int4pack.int4_kernel`; its stand-in runs
         the MPS or CUDA branch on a CPU)."""
+        return_freed_memory()  # what the load freed: the transforms below then start from what is held
         self.stt_model.perception.fuse()
         swap_modules(self.stt_model, RnntDecoder, FusedRnntDecoder)
         self.stt_model.llm.fuse()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantSpec
+from .diagnostics import return_freed_memory
 from .int4pack import Int4Kernel, int4_kernel
 from .layers import REDUCED, Linear
 
@@ -259,7 +260,8 @@ class Int4PackedLinear(nn.Module):
     :mod:`nvchat_torch.int4pack`, whose stand-ins run the MPS and CUDA layouts on a CPU.
     """
 
-    def __init__(self, src: QuantizedLinear, dtype: torch.dtype, kernel: Int4Kernel | None = None):
+    def __init__(self, src: QuantizedLinear, dtype: torch.dtype, kernel: Int4Kernel | None = None,
+                 in_place: bool = False):
         super().__init__()
         spec = src.spec
         self.in_features, self.out_features, self.group_size = src.in_features, src.out_features, spec.group_size
@@ -274,7 +276,8 @@ class Int4PackedLinear(nn.Module):
         s, b = F.pad(src.scales.float(), (0, 0, 0, pad)), F.pad(src.biases.float(), (0, 0, 0, pad))
         sz = torch.stack((s, b + 8.0 * s), dim=-1).transpose(0, 1).contiguous()  # [K/gs, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype))
-        self.register_buffer("packed", kernel.pack(words, self.in_features))
+        # in_place (a verified kernel): src's codes become the packed layout where it is the same size; src is spent
+        self.register_buffer("packed", kernel.pack(words, self.in_features, in_place=in_place and not pad))
         self.bias = src.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,33 +350,38 @@ def pack_int4(model: nn.Module, dtype: torch.dtype | None = None, kernel: Int4Ke
     longer in checkpoint layout (a documented post-load transform, like fusing QKV).
     """
     swapped, verified, eligible = 0, {}, 0
-    # Only the parents are listed: a list of every module would keep each replaced source alive
-    # until the end (the packed LLM twice over).
-    parents = [m for m in model.modules() if any(_int4_eligible(c) for c in m.children())]
-    for module in parents:
-        for child_name, child in list(module.named_children()):
-            if not _int4_eligible(child):
+    # Smallest first: the kernel is self-tested on the first, and every later one is packed over its own
+    # codes (the fused vocabulary heads last, with no second copy). An entry is dropped once done: the
+    # list would otherwise keep each replaced source alive until the end (the packed LLM twice over).
+    entries: list[tuple[nn.Module, str, QuantizedLinear] | None] = sorted(
+        ((m, name, c) for m in model.modules() for name, c in m.named_children() if _int4_eligible(c)),
+        key=lambda entry: entry[2].weight.numel())
+    for i, entry in enumerate(entries):
+        assert entry is not None
+        (module, child_name, child), entries[i], entry = entry, None, None
+        eligible += 1
+        device = child.weight.device
+        chosen = kernel or int4_kernel(device.type)
+        kdt = dtype or (chosen.activation_dtypes[0] if chosen else None)
+        key = (device.type, chosen.name if chosen else None, kdt)
+        if chosen is None or not chosen.available():
+            verified[key] = f"this torch build has no {chosen.op if chosen else 'int4pack kernel'} for {device.type}"
+        elif kdt not in chosen.activation_dtypes:
+            verified[key] = (f"{chosen.op} takes {', '.join(map(str, chosen.activation_dtypes))} activations, "
+                             f"not {kdt}")
+        else:
+            assert kdt is not None
+            # Once the kernel passed its self-test, the others are packed over their own codes.
+            packed = Int4PackedLinear(child, kdt, chosen, in_place=verified.get(key, "") is None)
+            if key not in verified:
+                verified[key] = _kernel_self_test(packed, child)
+            if verified[key] is None:
+                setattr(module, child_name, packed)
+                del child, packed
+                swapped += 1
+                return_freed_memory()  # the source's scales, and the converter's temporaries: not kept for reuse
                 continue
-            eligible += 1
-            device = child.weight.device
-            chosen = kernel or int4_kernel(device.type)
-            kdt = dtype or (chosen.activation_dtypes[0] if chosen else None)
-            key = (device.type, chosen.name if chosen else None, kdt)
-            if chosen is None or not chosen.available():
-                verified[key] = f"this torch build has no {chosen.op if chosen else 'int4pack kernel'} for {device.type}"
-            elif kdt not in chosen.activation_dtypes:
-                verified[key] = (f"{chosen.op} takes {', '.join(map(str, chosen.activation_dtypes))} activations, "
-                                 f"not {kdt}")
-            else:
-                assert kdt is not None
-                packed = Int4PackedLinear(child, kdt, chosen)
-                if key not in verified:
-                    verified[key] = _kernel_self_test(packed, child)
-                if verified[key] is None:
-                    setattr(module, child_name, packed)
-                    swapped += 1
-                    continue
-            child.fallback = verified[key]
+        child.fallback = verified[key]
     failures = {key: why for key, why in verified.items() if why is not None}
     if failures and swapped < eligible:
         (device_type, _, kdt), why = next(iter(failures.items()))
@@ -473,6 +481,7 @@ def fuse_linears(module: nn.Module, names: list[str], fused: str) -> None:
     setattr(module, fused, concat_linears([getattr(module, name) for name in names], release=True))
     for name in names:
         delattr(module, name)
+    return_freed_memory()  # the sources' memory: a fused matrix is larger than any of them, so never reuses it
 
 
 def affine_codes(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

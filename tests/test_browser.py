@@ -161,3 +161,78 @@ async def page_title(profile, origin: str) -> str:
                 return title
             await asyncio.sleep(0.2)
     return "probing"
+
+
+def chromium(address: str, profile, microphone) -> subprocess.Popen:
+    """Headless Chromium on the page (autostarted), its fake microphone playing ``microphone`` (a WAV)."""
+    return subprocess.Popen([
+        CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1000,860",
+        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={microphone}", "--autoplay-policy=no-user-gesture-required",
+        f"http://{address}/?autostart=1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_page_drops_its_playback_at_a_barge_in(make_checkpoint, tmp_path):
+    """The user talks over the model: the server cancels the response and says the user speaks; the
+    page empties its playback queue at once and shows the turn. Then the same with five seconds of
+    audio queued by hand: the queue is empty right after the barge-in."""
+    import soundfile as sf
+    from test_pipecat import POLICY, voice_activity_rnnt
+    from test_server_turns import conversation_audio
+
+    assert CHROMIUM, "Chromium is needed (.ci/run installs Debian's chromium package)"
+    model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
+    hook = voice_activity_rnnt(model)
+    microphone = tmp_path / "conversation.wav"  # Chromium loops it
+    sf.write(microphone, conversation_audio(), 16000, subtype="PCM_16")
+    profile = tmp_path / "profile"
+    try:
+        with serve(model, turn_taking=POLICY) as (address, _):
+            browser = chromium(address, profile, microphone)
+            try:
+                state = asyncio.run(barge_in(profile, address))
+            finally:
+                browser.terminate()
+                browser.wait(timeout=30)
+    finally:
+        hook.remove()
+    # a barge-in: the response was cancelled (the turn shows "interrupted"), then the user's speech
+    # started and the queue was dropped; it is empty right after every drop
+    cut_in = [b for b in state["bargeIns"] if b["turn"] == "interrupted"]
+    assert cut_in and all(b["after"] == 0 for b in state["bargeIns"]), state
+    assert state["errors"] == "", state
+    injected = state["injected"]
+    assert injected["queued"] >= 4 * 24000 and injected["drop"]["before"] >= 4 * 24000, injected
+    assert injected["drop"]["after"] == 0 and injected["after"] == 0 and injected["turn"] == "user", injected
+
+
+async def barge_in(profile, address) -> dict:
+    deadline = time.monotonic() + 60
+    async with websockets.connect(await page_socket(profile, address, deadline), max_size=None) as ws:
+        tools = DevTools(ws)
+        probe = ("({bargeIns: window.nvchat ? nvchat.bargeIns : [], turn: document.getElementById('turn').dataset.turn,"
+                 " status: document.body.dataset.status || '', errors: document.getElementById('errors').textContent})")
+        deadline = time.monotonic() + 120
+        while True:
+            state = await tools.evaluate(probe)
+            if state and any(b["turn"] == "interrupted" for b in state["bargeIns"]):
+                break
+            if time.monotonic() > deadline or (state and state["status"].startswith(("closed", "failed"))):
+                break
+            await asyncio.sleep(0.1)
+        # five seconds of (quiet) audio queued as a delta, then the user cuts in
+        result = await tools.call("Runtime.evaluate", awaitPromise=True, returnByValue=True, expression="""
+            (async () => {
+              const pcm = new Int16Array(5 * 24000).fill(100);
+              nvchat.onEvent({type: 'response.output_audio.delta', delta: toBase64(pcm)});
+              const queued = await nvchat.queued();
+              const count = nvchat.bargeIns.length;
+              nvchat.onEvent({type: 'input_audio_buffer.speech_started', audio_start_ms: 0, item_id: 'item_x'});
+              const after = await nvchat.queued();
+              while (nvchat.bargeIns.length === count) await new Promise((r) => setTimeout(r, 5));
+              return {queued, after, drop: nvchat.bargeIns[count], turn: document.getElementById('turn').dataset.turn};
+            })()""")
+        state["injected"] = result["result"].get("value")
+        await tools.evaluate("document.getElementById('stop').click()")
+        return state

@@ -37,9 +37,10 @@ the code for the rule that an unknown key anywhere in a ``session.update`` is an
 - ``input_audio_buffer.commit`` before any audio -> ``input_audio_buffer_commit_empty``; after:
   valid (``committed`` ... ``response.done``). ``input_audio_buffer.clear``, ``response.cancel`` (with
   or without an open response) and ``response.create``: always valid.
-- ``conversation.item.create``: ``item`` missing or not an object -> ``invalid_value``; an item
-  other than ``function_call_output`` (including GA ``message`` items) -> ``unsupported_item``;
-  ``function_call_output`` before any audio -> ``invalid_state``; with a non-string ``call_id`` or
+- ``conversation.item.create``: ``item`` missing or not an object, or of a type GA does not have ->
+  ``invalid_value``; GA ``message`` and ``function_call`` items: valid (before the start a message
+  joins the prompt, after it the item is recorded with a notice); ``function_call_output`` before
+  any audio -> ``invalid_state``; with a non-string ``call_id`` or
   ``output`` -> ``invalid_value``; with a ``call_id`` the model never issued (the tiny model makes no
   calls) -> ``invalid_tool_result``, sent once the worker has run it, still naming this event.
 - ``session.update``: ``session`` missing or not an object, ``session.type`` other than
@@ -47,7 +48,7 @@ the code for the rule that an unknown key anywhere in a ``session.update`` is an
   are expected and so on), ``null`` where the GA schema does not allow it (everything but
   ``turn_detection``, ``transcription``, ``noise_reduction``, ``prompt``, ``tracing`` and
   ``nvchat.max_streaming_seconds``), falsy non-lists such as ``tools: 0``: ``invalid_value``;
-  ``output_modalities`` other than ``["audio"]``, ``tool_choice`` other than ``"auto"``,
+  ``output_modalities`` other than ``["audio"]`` or ``["text"]``, ``tool_choice`` outside GA's values,
   function tools that do not validate, more than 5 tools, non-function tools: ``invalid_value`` (or
   ``tools_unsupported``); a format other than ``audio/pcm`` or a rate not listed (8000, 44100,
   16000.5, "16000", [16000], true, ...): ``unsupported_audio_format`` (or ``invalid_value``);
@@ -56,7 +57,8 @@ the code for the rule that an unknown key anywhere in a ``session.update`` is an
   key at any level (session, audio, audio.input/output, their format, nvchat, inside a tool or a GA
   object): ``unknown_parameter`` (or ``invalid_value``); GA keys with values outside the GA schema
   (``max_output_tokens: "lots"``, ``turn_detection: {"type": "vad"}``, ...): ``invalid_value``. After
-  the session has started, ``session_already_started`` is also accepted for a bad update.
+  A valid update that changes the prompt, tools or ``nvchat`` options after the start is taken (not
+  applied): no error.
   Valid: the GA keys of openai's ``RealtimeSessionCreateRequestParam`` with GA values, e.g.
   ``model``, ``include``, ``max_output_tokens``, ``parallel_tool_calls``, ``prompt``, ``reasoning``,
   ``tracing``, ``truncation``, ``audio.input.{format, noise_reduction, transcription,
@@ -130,7 +132,7 @@ C0 = {"type": "realtime", "instructions": "You are being fuzzed.",
       "tools": [], "tool_choice": "auto", "nvchat": {"deterministic": True, "seed": 7, "max_streaming_seconds": None}}
 OTHER = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                        "output": {"format": {"type": "audio/pcm", "rate": 22050}}},
-         "nvchat": {"deterministic": True, "seed": 0}}
+         "nvchat": {"deterministic": True, "seed": 0, "turn_taking": False, "listening_audio": True}}
 
 B64_STRICT = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
 WEATHER = {"type": "function", "name": "get_weather", "description": "weather",
@@ -159,6 +161,11 @@ GA_VALID_EXTRAS: list[tuple[tuple[str, ...], Any]] = [
                                             "interrupt_response": True, "idle_timeout_ms": None}),
     (("audio", "output", "voice"), "alloy"), (("audio", "output", "voice"), {"id": "voice_1"}),
     (("audio", "output", "speed"), 1.0), (("audio", "output", "speed"), 1.25),
+    (("audio", "input", "turn_detection"), False),  # pipecat's "no server turn detection"
+    (("output_modalities",), ["text"]), (("output_modalities",), ["audio"]),
+    (("tool_choice",), "none"), (("tool_choice",), "required"), (("tool_choice",), "auto"),
+    (("tool_choice",), {"type": "function", "name": "get_weather"}),
+    (("tool_choice",), {"type": "mcp", "server_label": "s"}),
 ]
 
 # GA keys with values outside the GA schema (or unknown keys inside GA objects)
@@ -191,8 +198,7 @@ UNKNOWN_SESSION_KEYS = ["modalities", "voice", "input_audio_format", "output_aud
                         "Instructions", "tools ", "", "client_secret"]
 UNKNOWN_NVCHAT_KEYS = ["frame_samples", "max_message_bytes", "started", "not_applied", "max_buffered_seconds",
                        "max_unsent_seconds", "Seed", "seed ", "temperature", "system_prompt"]
-UNSUPPORTED_GA_TYPES = ["conversation.item.delete", "conversation.item.truncate", "conversation.item.retrieve",
-                        "output_audio_buffer.clear", "transcription_session.update", "session.created",
+UNSUPPORTED_GA_TYPES = ["transcription_session.update", "session.created",
                         "response.done", "error", "Session.Update", "session.update ", "input_audio_buffer.append\n",
                         "", "*", "input_audio_buffer", "response.cancelled"]
 
@@ -332,7 +338,7 @@ class Fuzzer:
             (self.e_valid_update, 5), (self.e_bad_update, 30),
             (self.e_invalid_json, 4), (self.e_non_object, 2), (self.e_deep_json, 0.08), (self.e_binary, 2),
             (self.e_missing_type, 2), (self.e_type_wrong, 2), (self.e_unknown_type, 3), (self.e_id_wrong_type, 1.5),
-            (self.e_append_bad, 8), (self.e_item, 5), (self.e_clear, 1.5), (self.e_cancel, 1.5),
+            (self.e_append_bad, 8), (self.e_item, 5), (self.e_item_ref, 2), (self.e_clear, 1.5), (self.e_cancel, 1.5),
             (self.e_create, 1), (self.e_commit, 3 if started else 2),
             (self.e_valid_append, 14 if started else 0), (self.e_append_rate, 2 if started else 0),
             (self.e_append_extra_key, 1 if started else 0), (self.e_change_fixed, 2 if started else 0),
@@ -436,7 +442,7 @@ class Fuzzer:
             kind = f"audio.{side}.format.rate out of range or wrong type"
             codes |= {"unsupported_audio_format"}
         elif choice == 9:
-            s["output_modalities"] = r.choice([5, 0, True, 1.5, "audio", "text", ["text"], ["audio", "text"],
+            s["output_modalities"] = r.choice([5, 0, True, 1.5, "audio", "text", ["audio", "text"],
                                                ["text", "audio"], ["audio", "audio"], [], [1], [None], [["audio"]],
                                                {"audio": 1}, {"0": "audio"}, ["AUDIO"], ["audio "]])
             kind = "output_modalities wrong"
@@ -454,9 +460,8 @@ class Fuzzer:
                     "tools wrong")
             codes |= {"tools_unsupported", "unknown_parameter"}
         elif choice == 11:
-            s["tool_choice"] = r.choice(["none", "required", "Auto", "auto ", "", 1, True, [], {},
-                                         {"type": "function", "name": "get_weather"}, {"type": "mcp",
-                                                                                       "server_label": "s"}])
+            s["tool_choice"] = r.choice(["Auto", "auto ", "", 1, True, [], {}, {"type": "function"},
+                                         {"type": "function", "name": 5}, {"type": "mcp"}, {"name": "f"}])
             kind = "tool_choice wrong"
         elif choice == 12:
             s["nvchat"] = self.junk(exclude=("dict", "null"))
@@ -495,8 +500,6 @@ class Fuzzer:
             _set(s, path, self.nested(r.randint(20, 180)))
             kind = f"nested junk value in session.{'.'.join(path)}"
             codes |= {"unsupported_audio_format", "unknown_parameter"}  # a tool {"a": ...}: an unknown key
-        if started:
-            codes |= {"session_already_started"}
         text = json.dumps(ev)
         # (json.dumps writes inf and nan as the non-standard Infinity and NaN, which Python's json reads)
         return Case(index, f"session.update: {kind}", text, eid, True, frozenset(codes))
@@ -578,8 +581,7 @@ class Fuzzer:
             s[self.huge(n, "k") or "k" * 100] = 1
             return self.json_case(index, "session.update: huge unknown key", {"type": "session.update",
                                                                             "event_id": eid, "session": s}, True,
-                                  {"unknown_parameter", "invalid_value"} | ({"session_already_started"}
-                                                                            if started else set()))
+                                  {"unknown_parameter", "invalid_value"})
         # huge but valid: instructions before the session starts (the reset before the start undoes them)
         if not started:
             big = self.huge(n, "hello ")
@@ -690,14 +692,23 @@ class Fuzzer:
                 ev["item"] = self.junk(exclude=("dict",))
                 kind = "item not an object"
             codes = {"invalid_value"}
-        elif which == 1:
+        elif which == 1 and r.random() < 0.5:
             ev["item"] = r.choice([
                 {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
                 {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "be brief"}]},
-                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                {"type": "message", "role": "user", "content": []},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}])
+            return self.json_case(index, "conversation.item.create valid: a message or function_call item", ev,
+                                  False)
+        elif which == 1:
+            ev["item"] = r.choice([
                 {"type": self.junk(exclude=("str",))}, {"type": "Function_call_output", "call_id": "c", "output": ""},
-                {}, {"call_id": "c", "output": "x"}])
-            kind, codes = "item type not function_call_output", {"unsupported_item", "invalid_value"}
+                {}, {"call_id": "c", "output": "x"}, {"type": "message", "role": "robot", "content": []},
+                {"type": "message", "role": "user", "content": "hi"},
+                {"type": "message", "role": "user", "content": [{"type": "input_txt", "text": "hi"}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}])
+            kind, codes = "item of no GA type, or a malformed message", {"invalid_value"}
         elif which == 2:
             item = {"type": "function_call_output", "call_id": "call_" + self.word(), "output": "{}"}
             key = r.choice(["call_id", "output"])
@@ -723,6 +734,22 @@ class Fuzzer:
                 kind, codes = "function_call_output before any audio", {"invalid_state", "invalid_tool_result"}
         return self.json_case(index, f"conversation.item.create: {kind}", ev, True, codes)
 
+    def e_item_ref(self, index, eid, started):
+        """truncate / retrieve / delete of an item this conversation does not have (or no item_id)."""
+        r = self.rng
+        verb = r.choice(["truncate", "retrieve", "delete"])
+        ev: dict = {"type": f"conversation.item.{verb}", "event_id": eid}
+        if r.random() < 0.3:
+            ev["item_id"] = self.junk(exclude=("str",))
+            codes = {"invalid_value"}
+        else:
+            ev["item_id"] = "item_" + self.word()
+            codes = {f"item_{verb}_invalid_item_id"}
+        if verb == "truncate":
+            ev.update(content_index=0, audio_end_ms=r.choice([0, 80, -1, "1"]))
+            codes |= {"invalid_value"}
+        return self.json_case(index, f"conversation.item.{verb}: an unknown or malformed item_id", ev, True, codes)
+
     def e_change_fixed(self, index, eid, started):
         r = self.rng
         s: dict = {"type": "realtime"}
@@ -730,18 +757,23 @@ class Fuzzer:
         if which == 0:
             s["instructions"] = "something else"
         elif which == 1:
-            s["audio"] = {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}
+            s["nvchat"] = {"turn_taking": r.choice([False, True, {"eou_frames": 20}])}  # changes live
         elif which == 2:
-            s["audio"] = {"input": {"format": {"type": "audio/pcm"}}}  # rate defaults to 24000
+            s["instructions"] = ""
         elif which == 3:
             s["nvchat"] = r.choice([{"seed": 8}, {"deterministic": False}, {"max_streaming_seconds": 100}])
         elif which == 4:
             s["tools"] = [WEATHER]
         else:
             s["instructions"] = None  # the default prompt is not C0's
-        return self.json_case(index, "session.update: changes a fixed field after the start",
-                              {"type": "session.update", "event_id": eid, "session": s}, True,
-                              {"session_already_started", "invalid_value"})
+        ev = {"type": "session.update", "event_id": eid, "session": s}
+        if which == 5:
+            return self.json_case(index, "session.update: null instructions", ev, True, {"invalid_value"})
+        if which == 4:  # the tiny model's tokenizer has no tool-call markers
+            return self.json_case(index, "session.update: tools this model cannot call", ev, True,
+                                  {"tools_unsupported"})
+        # taken and not applied (nvchat.not_applied), or (the policy) applied from the next frame
+        return self.json_case(index, "session.update valid: changes a fixed field after the start", ev, False)
 
     def e_oversize(self, index, eid, started):
         self.oversize_sent = True

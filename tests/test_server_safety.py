@@ -19,7 +19,7 @@ import torch
 import websockets
 
 import nvchat_torch as nv
-from test_server import (GA_16K_22K, TIMEOUT, assert_same_pcm, b64, deltas, expect_error, get_json, mlx_conversation,
+from test_server import (GA_16K_22K, RAW, TIMEOUT, assert_same_pcm, b64, deltas, expect_error, get_json, mlx_conversation,
                          reference, serve, wait_idle)
 
 FRAME = 1280
@@ -161,7 +161,7 @@ class Streamer:
 
     def __init__(self, address: str, pcm: np.ndarray, session: dict | None = None, pace: float = 0.08):
         self.address, self.pcm, self.pace = address, pcm, pace
-        self.session = session or {**GA_16K_22K, "nvchat": {"deterministic": True, "seed": 0}}
+        self.session = session or {**GA_16K_22K, "nvchat": {"deterministic": True, "seed": 0, **RAW}}
         self.arrivals: list[float] = []
         self.audio = b""
         self.text = ""
@@ -222,7 +222,7 @@ def test_a_long_prompt_joins_without_stalling_a_streaming_session(model, speech)
         async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
             await ws.recv()
             await ws.send(json.dumps({"type": "session.update", "session": {
-                **GA_16K_22K, "instructions": LONG_PROMPT, "nvchat": {"deterministic": True}}}))
+                **GA_16K_22K, "instructions": LONG_PROMPT, "nvchat": {"deterministic": True, **RAW}}}))
             joined["start"] = start = time.monotonic()
 
             async def listen():
@@ -261,7 +261,8 @@ def test_a_client_that_stops_reading_is_closed_and_the_others_go_on(model, speec
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads nothing: fill up quickly
         sock.connect(tuple((address.split(":")[0], int(address.split(":")[1]))))
         async with websockets.connect(f"ws://{address}/v1/realtime", sock=sock, max_queue=1, max_size=None) as ws:
-            await ws.send(json.dumps({"type": "session.update", "session": GA_16K_22K}))
+            # every frame's audio (listening included), so that unread events pile up
+            await ws.send(json.dumps({"type": "session.update", "session": {**GA_16K_22K, "nvchat": RAW}}))
             start = time.monotonic()
             try:
                 for i in range(int(60 / 0.08)):  # a microphone that keeps sending; nobody reads
@@ -298,7 +299,7 @@ def test_a_client_sending_faster_than_real_time_is_bounded(model, speech):
     async def flooder(address: str) -> tuple[list[dict], list[str]]:
         async with websockets.connect(f"ws://{address}/v1/realtime", max_size=None) as ws:
             await ws.recv()
-            await ws.send(json.dumps({"type": "session.update", "session": GA_16K_22K}))
+            await ws.send(json.dumps({"type": "session.update", "session": {**GA_16K_22K, "nvchat": RAW}}))
             half_second = speech[:8000]
             for i in range(20):  # 10 s at once, against a bound of 2 s
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(half_second),
@@ -342,7 +343,7 @@ def test_ga_deltas_add_up_on_a_speech_heavy_checkpoint(make_checkpoint, question
     ``completed`` transcript, and the text deltas the session's streamed text, as sent alone."""
     model = nv.load_model(make_checkpoint(seed=12, bits=4, rnnt_blank_boost=-1.0, pattern="M*M-*-M"), device="cpu")
     pcm = np.tile(question_pcm, 2)
-    session = {**GA_16K_22K, "nvchat": {"deterministic": True, "seed": 0}}
+    session = {**GA_16K_22K, "nvchat": {"deterministic": True, "seed": 0, **RAW}}
 
     async def run(address):
         items: dict[str, str] = {}

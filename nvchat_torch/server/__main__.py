@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the model (default: torch's); on a small CPU, 1 can be much "
                         "faster: the steps' many small ops contend with the server's own threads (docs/server.md)")
+    p.add_argument("--turn-taking", default="on", choices=("on", "off"),
+                   help="NVIDIA's turn-taking policy for GA sessions (on: its stock values, docs/turn_taking.md; "
+                        "off: the raw model decides alone); a session may choose otherwise with nvchat.turn_taking")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model.describe()}", file=sys.stderr)
     extra = {} if args.max_buffer_seconds is None else {"max_buffered_seconds": args.max_buffer_seconds}
     app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key,
-                     allow_origins=args.allow_origin, **extra)
+                     allow_origins=args.allow_origin, turn_taking=args.turn_taking == "on", **extra)
     print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
           f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
     try:

@@ -29,11 +29,13 @@ from fastapi.staticfiles import StaticFiles
 
 from ..audio_io import StreamResampler, pcm16_decode
 from ..events import StreamingOptions
+from .items import ItemEvents
 from .responses import ResponseEvents, new_id
 from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
 from .ga_schema import show
-from .session_config import ClientError, SessionConfig, ga_update, is_mlx_update, mlx_update
+from .session_config import (FIXED_AFTER_START, ClientError, SessionConfig, ga_update, is_mlx_update, mlx_update,
+                             turn_taking_config, turn_taking_json)
 
 __all__ = ["create_app", "listen_socket", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS"]
@@ -48,7 +50,8 @@ CLOSE_TOO_SLOW = 1008  # policy violation: the client does not read what it aske
 CLOSE_WAIT_SECONDS = 10.0  # how long a too-slow client's close frame waits for it to read
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 GA_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
-             "response.cancel", "response.create", "conversation.item.create")
+             "response.cancel", "response.create", "conversation.item.create", "conversation.item.truncate",
+             "conversation.item.retrieve", "conversation.item.delete", "output_audio_buffer.clear")
 
 
 SEND_BUFFER_BYTES = 64 * 1024  # per connection, in the kernel: bounds what a client that stops reading holds
@@ -76,12 +79,26 @@ def _tools_supported() -> bool:
     return any(f.name == "tools" for f in dataclasses.fields(StreamingOptions))
 
 
+def _check_tools_expressible(model, tools: list) -> None:
+    """Tools the model's tokenizer cannot express (no call markers) are refused at session.update,
+    not when the first append starts the session."""
+    if not tools:
+        return
+    from ..tools import ToolChannel
+
+    try:
+        ToolChannel(model.tokenizer, tools, pad_id=model.config.pad_token_id, vocab_size=0, device=model.device)
+    except ValueError as e:
+        raise ClientError("tools_unsupported", f"this model cannot call tools: {e}", "session.tools") from None
+
+
 class RealtimeServer:
     """What all connections share: the model, its scheduler, the session slots and the API key."""
 
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
-                 max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS):
+                 max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS,
+                 turn_taking: Any = True):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         for name, value in (("max_buffered_seconds", max_buffered_seconds), ("max_unsent_seconds", max_unsent_seconds)):
@@ -94,6 +111,8 @@ class RealtimeServer:
         self.max_message_bytes = max_message_bytes
         self.max_buffered_samples = round(max_buffered_seconds * model.config.input_sample_rate)
         self.max_unsent_seconds = max_unsent_seconds
+        # NVIDIA's turn-taking policy for GA sessions (True: its stock values; False/None: the raw model)
+        self.turn_taking = turn_taking if not isinstance(turn_taking, bool) else turn_taking_config(turn_taking)
         # Outputs (one per frame, mostly) a connection may hold unsent, whatever their age: memory stays bounded.
         self.max_unsent_outputs = 4 * math.ceil(max_unsent_seconds / model.config.frame_duration) + 16
         self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock)
@@ -131,15 +150,18 @@ class RealtimeServer:
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
                max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
-               max_unsent_seconds: float = MAX_UNSENT_SECONDS) -> FastAPI:
+               max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
     sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
     Browser pages of other origins than the server's own are refused unless in ``allow_origins``
     (:mod:`~nvchat_torch.server.security`); a session buffers at most ``max_buffered_seconds`` of
-    input not yet run, and a client that leaves events unread for ``max_unsent_seconds`` is closed."""
+    input not yet run, and a client that leaves events unread for ``max_unsent_seconds`` is closed.
+    ``turn_taking``: the policy GA sessions get unless they say otherwise (``nvchat.turn_taking``):
+    True is NVIDIA's (docs/turn_taking.md), False the raw model, or a ``TurnTakingConfig``."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
                             max_message_bytes=max_message_bytes, clock=clock,
-                            max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds)
+                            max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds,
+                            turn_taking=turn_taking)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -187,7 +209,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     return app
 
 
-class Connection(ResponseEvents):
+class Connection(ItemEvents, ResponseEvents):
     """One WebSocket: reads client events, queues model work, turns the worker's outputs into events
     (:class:`~nvchat_torch.server.responses.ResponseEvents`)."""
 
@@ -197,7 +219,7 @@ class Connection(ResponseEvents):
         cfg = server.model.config
         self.frame_samples = cfg.input_frame_samples
         self.model_rate, self.output_model_rate = cfg.input_sample_rate, cfg.output_sample_rate
-        self.eos_id = cfg.eos_token_id
+        self.eos_id, self.bos_id = cfg.eos_token_id, cfg.bos_token_id
         self.default_instructions = cfg.default_system_prompt
         self.loop = asyncio.get_running_loop()
         # The worker's outputs not yet sent, with the time each arrived; bounded (see _enqueue).
@@ -210,13 +232,17 @@ class Connection(ResponseEvents):
         self.send_lock = asyncio.Lock()
         self.session_id = new_id("sess")
         self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
-        self.config = SessionConfig()
+        self.config = SessionConfig(turn_taking=server.turn_taking)
+        self._init_items()
         self.handle: int | None = None
         self.in_resampler: StreamResampler | None = None
         self.out_resampler: StreamResampler | None = None
         self.response: dict | None = None  # the open response (GA)
         self.user_item: str | None = None  # the user transcript item being filled (GA)
         self.user_text = ""
+        self.user_speaking = False  # speech_started sent, speech_stopped not yet (the policy's view)
+        self.turn_muted = False  # the client cancelled the agent's turn: the rest of it is not sent
+        self.agent_turn = False  # the text channel's last BOS/EOS was BOS: the agent holds the turn
         self.frames = 0
         self.compute_s: deque[float] = deque(maxlen=25)
         self.client_event_id: str | None = None
@@ -359,10 +385,21 @@ class Connection(ResponseEvents):
                 self.scheduler.cancel(self.handle)
             elif self.response is not None:
                 await self._close_response("cancelled")
+                self.turn_muted = True
+        elif etype == "output_audio_buffer.clear":
+            # the client plays the deltas itself (WebSocket): there is no server-side buffer to clear
+            await self.send({"type": "output_audio_buffer.cleared",
+                             "response_id": None if self.response is None else self.response["id"]})
         elif etype == "response.create":
             pass  # the model decides itself when to speak: a response opens with its next utterance
         elif etype == "conversation.item.create":
-            self._item_create(event)
+            await self._item_create(event)
+        elif etype == "conversation.item.truncate":
+            await self._item_truncate(event)
+        elif etype == "conversation.item.retrieve":
+            await self._item_retrieve(event)
+        elif etype == "conversation.item.delete":
+            await self._item_delete(event)
         elif etype == "session.ping":
             await self.send({"type": "session.pong"})
         else:
@@ -373,16 +410,22 @@ class Connection(ResponseEvents):
     # ---- configuration
     def _ga_session(self) -> dict:
         cfg = self.config
+        # What is in effect: the model always speaks, decides itself when to call a tool, and its RNNT
+        # head transcribes; turns are NVIDIA's policy (nvchat.turn_taking) or the model's own.
+        detection = cfg.accepted.get("audio.input.turn_detection") or {
+            "type": "server_vad", "create_response": True, "interrupt_response": True}
         return {"type": "realtime", "object": "realtime.session", "id": self.session_id,
                 "model": self.server.model_name,
                 "instructions": self.default_instructions if cfg.instructions is None else cfg.instructions,
                 "output_modalities": ["audio"],
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": cfg.input_rate},
-                                    "turn_detection": None, "transcription": None},
+                                    "turn_detection": detection if cfg.turn_taking is not None else None,
+                                    "transcription": {"model": "nvchat-rnnt"}},
                           "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate},
                                      "voice": self.server.model.config.speaker}},
-                "tools": cfg.tools, "tool_choice": cfg.tool_choice,
+                "tools": cfg.tools, "tool_choice": "auto",
                 "nvchat": {"deterministic": cfg.deterministic, "seed": cfg.seed,
+                           "turn_taking": turn_taking_json(cfg.turn_taking), "listening_audio": cfg.listening_audio,
                            "max_streaming_seconds": cfg.max_streaming_seconds, "stats": cfg.stats,
                            "frame_samples": self.frame_samples, "max_message_bytes": self.server.max_message_bytes,
                            "max_buffered_seconds": self.server.max_buffered_samples / self.model_rate,
@@ -393,12 +436,21 @@ class Connection(ResponseEvents):
 
     async def _ga_update(self, session: dict) -> None:
         cfg = ga_update(self.config, session, tools_supported=_tools_supported())
+        if cfg.tools != self.config.tools:
+            _check_tools_expressible(self.server.model, cfg.tools)
         if self.handle is not None:
-            fixed = ("instructions", "input_rate", "deterministic", "seed", "max_streaming_seconds", "tools")
-            changed = [k for k in fixed if getattr(cfg, k) != getattr(self.config, k)]
-            if changed:
-                raise ClientError("session_already_started", f"cannot change {', '.join(changed)} after audio "
-                                  "has started: open a new connection for a new conversation", "session")
+            # The running conversation keeps its prompt, tools and options (its context was prefilled
+            # with them): other values are taken, not applied, and listed in nvchat.not_applied.
+            for key in FIXED_AFTER_START:
+                if getattr(cfg, key) != getattr(self.config, key):
+                    cfg.accepted[key] = session["nvchat"][key] if key in session.get("nvchat", {}) else \
+                        session.get(key)
+                    setattr(cfg, key, getattr(self.config, key))
+            if cfg.turn_taking != self.config.turn_taking:  # the policy can change live (from the next frame)
+                self.scheduler.call(self.handle, "set_turn_taking", cfg.turn_taking, tag=self.client_event_id)
+            if cfg.input_rate != self.config.input_rate:  # the stream so far is resampled to its end first
+                self.scheduler.push(self.handle, self.in_resampler(np.zeros(0, np.float32), last=True))
+                self.in_resampler = StreamResampler(cfg.input_rate, self.model_rate)
             if cfg.output_rate != self.config.output_rate:
                 self.out_resampler = StreamResampler(self.output_model_rate, cfg.output_rate)
         self.config, self.refused = cfg, None
@@ -407,12 +459,13 @@ class Connection(ResponseEvents):
     async def _mlx_update(self, session: dict) -> None:
         if self.handle is not None:
             raise ClientError("invalid_state", "the active session cannot be reconfigured")
-        self.config = mlx_update(self.config, session, input_rate=self.model_rate,
-                                 output_rate=self.output_model_rate)
+        # mlx-vlm has no turn-taking: the policy only where nvchat.turn_taking asks for it
+        self.config = mlx_update(dataclasses.replace(self.config, turn_taking=None), session,
+                                 input_rate=self.model_rate, output_rate=self.output_model_rate)
         self._start(announce=True)
 
     def _start(self, announce: bool = False) -> None:
-        options = self.config.options()
+        options = self.config.options(self.default_instructions)
         self.in_resampler = StreamResampler(self.config.input_rate, self.model_rate)
         self.out_resampler = StreamResampler(self.output_model_rate, self.config.output_rate)
         self.announce_open = announce
@@ -437,7 +490,7 @@ class Connection(ResponseEvents):
             if self.dialect is None:
                 self.dialect = "mlx"
                 self.config = dataclasses.replace(self.config, input_rate=self.model_rate,
-                                                  output_rate=self.output_model_rate)
+                                                  output_rate=self.output_model_rate, turn_taking=None)
             rate = event["sample_rate"]
             if rate != self.config.input_rate:
                 raise ClientError("unsupported_audio_format", f"sample_rate {show(rate)} does not match the session's "
@@ -473,26 +526,6 @@ class Connection(ResponseEvents):
         self.scheduler.push(self.handle, self.in_resampler(np.zeros(0, np.float32), last=True))
         self.scheduler.pad(self.handle)
         self.scheduler.mark(self.handle, "commit")
-
-    def _item_create(self, event: dict) -> None:
-        item = event.get("item")
-        if not isinstance(item, dict):
-            raise ClientError("invalid_value", "conversation.item.create needs an 'item' object", "item")
-        if item.get("type") != "function_call_output":
-            raise ClientError("unsupported_item", "only function_call_output items can be created: the model "
-                              "takes the user's turn as audio", "item.type")
-        if self.handle is None:
-            raise ClientError("invalid_state", "no session is running", "item")
-        if not _tools_supported():
-            raise ClientError("tools_unsupported", "this build of nvchat_torch has no tool calls yet", "item")
-        call_id, output = item.get("call_id"), item.get("output")
-        if not isinstance(call_id, str) or not isinstance(output, str):
-            raise ClientError("invalid_value", "function_call_output needs string 'call_id' and 'output'", "item")
-        try:
-            value = json.loads(output)
-        except (ValueError, RecursionError):
-            value = output
-        self.scheduler.call(self.handle, "send_tool_result", call_id, value, tag=self.client_event_id)
 
     # ---- model outputs
     async def _pump(self) -> None:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["UnknownKey", "Schema", "Obj", "Str", "Num", "Int", "Bool", "ListOf", "OneOf", "AnyJSON", "check",
+__all__ = ["UnknownKey", "Schema", "Obj", "Str", "Num", "Int", "Bool", "Const", "ListOf", "OneOf", "AnyJSON", "check",
            "PASS_THROUGH", "show"]
 
 
@@ -81,6 +81,16 @@ class AnyJSON(Schema):
     def validate(self, value, path):
         if not isinstance(value, dict):
             self.fail(value, path, "an object")
+
+
+@dataclass
+class Const(Schema):
+    """Exactly this JSON value (``["audio"]``, ``false``)."""
+    value: Any
+
+    def validate(self, value, path):
+        if value != self.value or type(value) is not type(self.value):
+            self.fail(value, path, repr(self.value))
 
 
 @dataclass
@@ -175,7 +185,13 @@ PASS_THROUGH: dict[str, Schema] = {
     "audio.input.noise_reduction": Obj({"strength": Num(), "type": Str(("near_field", "far_field"))}, nullable=True),
     "audio.input.transcription": Obj({"delay": Str(_EFFORT), "keywords": ListOf(Str()), "language": Str(),
                                       "languages": ListOf(Str()), "model": Str(), "prompt": Str()}, nullable=True),
-    "audio.input.turn_detection": OneOf([_SERVER_VAD, _SEMANTIC_VAD], nullable=True),
+    # ``false``: what pipecat sends for "no server turn detection" (its manual mode), as null
+    "audio.input.turn_detection": OneOf([_SERVER_VAD, _SEMANTIC_VAD, Const(False)], nullable=True),
+    "output_modalities": OneOf([Const(["audio"]), Const(["text"])]),
+    "tool_choice": OneOf([Str(("auto", "none", "required")),
+                          Obj({"type": Str(("function",)), "name": Str()}, required=("type", "name")),
+                          Obj({"type": Str(("mcp",)), "server_label": Str(), "name": Str(nullable=True)},
+                              required=("type", "server_label"))]),
     "audio.output.voice": OneOf([Str(), Obj({"id": Str()}, required=("id",))]),
     "audio.output.speed": Num(0.25, 1.5),
 }

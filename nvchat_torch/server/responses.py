@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..audio_io import pcm16_encode
+from ..turn_taking import TurnTakingConfig
 from .scheduler import Output
 
 __all__ = ["ResponseEvents"]
@@ -36,9 +37,13 @@ class ResponseEvents:
     response: dict | None
     user_item: str | None
     user_text: str
+    user_speaking: bool
+    agent_turn: bool
+    turn_muted: bool
     frames: int
     session_id: str
     eos_id: int
+    bos_id: int
     config: Any
     out_resampler: Any
     server: Any
@@ -67,20 +72,30 @@ class ResponseEvents:
             if out.tag == "clear":
                 await self.send({"type": "input_audio_buffer.cleared"})
             elif out.tag == "commit":
-                item_id = self.user_item or new_id("item")
-                await self.send({"type": "input_audio_buffer.committed", "item_id": item_id,
+                await self._open_user_item()
+                await self.send({"type": "input_audio_buffer.committed", "item_id": self.user_item,
                                  "previous_item_id": None})
                 await self._complete_user_item()
+                self.turn_muted = False
                 if self.response is None:
                     await self._open_response()
                 await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
                 await self._close_response("completed")
             return False
+        for event in out.events:  # the policy's turn events first: a barge-in ends the response
+            if event.kind == "turn":
+                await self._turn(event)
+        if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
+            self.turn_muted = False  # a turn begins or ends: a cancelled one is over
+            self.agent_turn = out.ids[0] == self.bos_id
+        if out.ids is not None and out.ids[0] == self.bos_id and self.response is None:
+            await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
         for event in out.events:  # "events" and "limit"
             await self._ga_event(event)
         if out.ids is not None:
             await self._stats(out)
-            if out.ids[0] == self.eos_id and self.response is not None and self.response["spoke"]:
+            if out.ids[0] == self.eos_id and self.response is not None and (
+                    self.response["spoke"] or not self.config.listening_audio):
                 await self._close_response("completed")
         if out.kind == "limit":
             if self.response is not None:
@@ -89,18 +104,71 @@ class ResponseEvents:
             return await self._end(1000)
         return False
 
+    async def _turn(self, event) -> None:
+        """NVIDIA's policy acted (docs/server.md, "Turns"): the user's speech starts or stops as the
+        GA server VAD says it, and a barge-in ends the open response as ``cancelled``."""
+        policy, frame = self.config.turn_taking, event.frame_index
+        if policy is None:  # switched off by a session.update while this frame was in flight
+            policy = TurnTakingConfig()
+        ms = round(self.frame_samples / self.model_rate * 1000)
+        if event.reason in ("user_speech", "barge_in"):
+            if event.reason == "barge_in" and self.response is not None:
+                await self._close_response("cancelled", reason="turn_detected")
+            if not self.user_speaking:
+                await self._open_user_item()
+                self.user_speaking = True
+                # a barge-in is confirmed after barge_in_frames of speech: that is where it began
+                start = frame + 1 - policy.barge_in_frames if event.reason == "barge_in" else frame
+                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": max(0, start) * ms,
+                                 "item_id": self.user_item})
+        elif event.reason in ("end_of_utterance", "first_turn_fallback"):
+            await self._open_user_item()
+            # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands
+            end = frame + 1 - policy.eou_frames if event.reason == "end_of_utterance" else frame
+            await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": max(0, end) * ms,
+                             "item_id": self.user_item})
+            self.user_speaking = False
+            await self._complete_user_item()
+        # self_play_suppressed: the model's BOS was dropped; nothing a client sees changes
+
+    async def _open_user_item(self) -> None:
+        if self.user_item is None:
+            self.user_item, self.user_text = new_id("item"), ""
+            await self._item_added({"id": self.user_item, "object": "realtime.item", "type": "message",
+                                    "role": "user", "status": "in_progress",
+                                    "content": [{"type": "input_audio", "transcript": None}]})
+
     async def _ga_event(self, event) -> None:
         kind = event.kind
         if kind == "user_transcript_delta":
             if not event.delta:  # whitespace the transcript holds until text follows: no item for it
                 return
-            if self.user_item is None:
-                self.user_item, self.user_text = new_id("item"), ""
+            await self._open_user_item()
             self.user_text += event.delta
             await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": self.user_item,
                              "content_index": 0, "delta": event.delta})
             return
-        if kind in ("done", "cancelled"):
+        if kind in ("done", "cancelled", "turn", "function_delta"):
+            # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
+            return
+        if kind == "audio":
+            # Every frame's audio goes through the resampler (one continuous stream), and out only
+            # within a response: while the model listens its near-silence is held back (docs/server.md).
+            samples = self.out_resampler(event.samples)
+            if self.response is None and self.config.listening_audio:
+                await self._open_response()
+            await self._send_audio(samples)
+            return
+        if kind == "tool_call_error":
+            # not the client's error: a notice, and the session goes on (the model sees no result)
+            await self.send({"type": "nvchat.notice", "code": "tool_call_parse_error", "message":
+                             f"the model's tool call could not be used: {event.reason} (raw: {event.text!r})"})
+            return
+        if kind == "assistant_text_delta" and (self.turn_muted or (
+                self.response is None and not self.agent_turn and self.config.turn_taking is not None
+                and not self.config.listening_audio)):
+            # The rest of a turn the client cancelled; or, with the policy, text outside the agent's
+            # turn (BOS ... EOS), which the real model does not emit: not bot speech
             return
         if self.response is None:
             await self._open_response()
@@ -112,15 +180,8 @@ class ResponseEvents:
             r["transcript"] += event.delta
             await self.send({"type": "response.output_audio_transcript.delta", "response_id": r["id"],
                              "item_id": r["item_id"], "output_index": 0, "content_index": 0, "delta": event.delta})
-        elif kind == "audio":
-            await self._send_audio(self.out_resampler(event.samples))
         elif kind == "tool_call":
             await self._tool_call(event)
-        elif kind == "tool_call_error":
-            # the session goes on: the model sees no result, as after any call nobody answers
-            await self.send_error("tool_call_parse_error", f"the model's tool call could not be used: {event.reason} "
-                                  f"(raw: {event.text!r})", kind="server_error", event_id=None)
-        # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
 
     async def _send_audio(self, samples: np.ndarray) -> None:
         if len(samples) and self.response is not None:
@@ -134,27 +195,32 @@ class ResponseEvents:
             await self.send({"type": "conversation.item.input_audio_transcription.completed",
                              "item_id": self.user_item, "content_index": 0, "transcript": self.user_text,
                              "usage": {"type": "duration", "seconds": round(self.frames * 0.08, 2)}})
+            await self._item_done({"id": self.user_item, "object": "realtime.item", "type": "message", "role": "user",
+                                   "status": "completed",
+                                   "content": [{"type": "input_audio", "transcript": self.user_text}]})
             self.user_item, self.user_text = None, ""
 
-    def _response_object(self, r: dict, status: str, output: list) -> dict:
+    def _response_object(self, r: dict, status: str, output: list, reason: str = "client_cancelled") -> dict:
         body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
                 "conversation_id": self.session_id, "output_modalities": ["audio"],
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.config.output_rate}}}}
         if status == "cancelled":
-            body["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
+            body["status_details"] = {"type": "cancelled", "reason": reason}
         return body
 
     async def _open_response(self) -> None:
         self.response = r = {"id": new_id("resp"), "item_id": new_id("item"), "transcript": "", "spoke": False,
                              "calls": []}
         await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
+        item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": "in_progress", "content": []}
         await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
-                         "item": {"id": r["item_id"], "object": "realtime.item", "type": "message",
-                                  "role": "assistant", "status": "in_progress", "content": []}})
+                         "item": item})
+        await self._item_added(item)
         await self.send({"type": "response.content_part.added", "response_id": r["id"], "item_id": r["item_id"],
                          "output_index": 0, "content_index": 0, "part": {"type": "audio", "transcript": ""}})
 
-    async def _close_response(self, status: str) -> None:
+    async def _close_response(self, status: str, reason: str = "client_cancelled") -> None:
         r, self.response = self.response, None
         ids = {"response_id": r["id"], "item_id": r["item_id"], "output_index": 0, "content_index": 0}
         await self.send({"type": "response.output_audio.done", **ids})
@@ -166,7 +232,9 @@ class ResponseEvents:
                 "content": [{"type": "output_audio", "transcript": r["transcript"]}]}
         await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
                          "item": item})
-        await self.send({"type": "response.done", "response": self._response_object(r, status, [item, *r["calls"]])})
+        await self._item_done(item)
+        await self.send({"type": "response.done",
+                         "response": self._response_object(r, status, [item, *r["calls"]], reason)})
 
     async def _tool_call(self, event) -> None:
         r = self.response
@@ -176,6 +244,7 @@ class ResponseEvents:
                 "call_id": event.call_id, "name": event.name, "arguments": ""}
         await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
                          "item": item})
+        await self._item_added(item)
         ids = {"response_id": r["id"], "item_id": item["id"], "output_index": index, "call_id": event.call_id}
         await self.send({"type": "response.function_call_arguments.delta", **ids, "delta": arguments})
         await self.send({"type": "response.function_call_arguments.done", **ids, "name": event.name,
@@ -184,6 +253,7 @@ class ResponseEvents:
         r["calls"].append(item)
         await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": index,
                          "item": item})
+        await self._item_done(item)
 
     async def _mlx_output(self, out: Output) -> bool:
         if out.kind == "opened":

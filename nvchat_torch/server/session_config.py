@@ -22,7 +22,11 @@ OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, o
 
 # The nvchat extension: key -> accepted types.
 NVCHAT_KEYS: dict[str, tuple[type, ...]] = {"deterministic": (bool,), "seed": (int,),
-                                            "max_streaming_seconds": (int, float, type(None)), "stats": (bool,)}
+                                            "max_streaming_seconds": (int, float, type(None)), "stats": (bool,),
+                                            "turn_taking": (bool, dict), "listening_audio": (bool,)}
+# Fixed once the conversation runs: a later session.update may carry other values; they are taken
+# (no error) but not applied, and session.updated lists them in nvchat.not_applied.
+FIXED_AFTER_START = ("instructions", "deterministic", "seed", "max_streaming_seconds", "tools")
 # The GA session object's keys (openai's RealtimeSessionCreateRequest), and ours.
 GA_SESSION_KEYS = frozenset({"type", "model", "instructions", "output_modalities", "audio", "tools", "tool_choice",
                              "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning",
@@ -56,11 +60,25 @@ class SessionConfig:
     tools: list = dataclasses.field(default_factory=list)
     tool_choice: Any = "auto"
     accepted: dict = dataclasses.field(default_factory=dict)  # GA keys taken as given (not acted on)
+    turn_taking: Any = None  # a TurnTakingConfig (NVIDIA's policy) or None (the raw model)
+    listening_audio: bool = False  # send the audio of frames where the model only listens
+    messages: list = dataclasses.field(default_factory=list)  # message items created before the start, rendered
 
-    def options(self) -> StreamingOptions:
-        kwargs = {"tools": self.tools} if self.tools else {}
+    def prompt(self, default: str | None) -> str | None:
+        """The system prompt the session starts with: the instructions (or the model's default),
+        then the message items created before the start, one line each (items.render_message)."""
+        base = default if self.instructions is None else self.instructions
+        if not self.messages:
+            return self.instructions
+        return "\n".join(part for part in (base, *self.messages) if part)
+
+    def options(self, default_prompt: str | None = None) -> StreamingOptions:
+        kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        if self.turn_taking is not None:
+            kwargs["turn_taking"] = self.turn_taking
         try:
-            return StreamingOptions(system_prompt=self.instructions, seed=self.seed, deterministic=self.deterministic,
+            return StreamingOptions(system_prompt=self.prompt(default_prompt), seed=self.seed,
+                                    deterministic=self.deterministic,
                                     max_streaming_seconds=self.max_streaming_seconds, **kwargs)
         except ValueError as e:
             raise ClientError("invalid_value", f"cannot start the session: {e}", "session") from None
@@ -97,6 +115,31 @@ def _rate(fmt: Any, allowed: tuple[int, ...], where: str) -> int:
     return rate
 
 
+def turn_taking_config(value: Any, where: str = "session.nvchat.turn_taking") -> Any:
+    """``nvchat.turn_taking`` as a policy: ``false`` -> None (the raw model), ``true`` -> NVIDIA's
+    values, an object -> NVIDIA's values with those fields changed (checked by the config itself)."""
+    if value is False:
+        return None
+    from ..turn_taking import TurnTakingConfig
+
+    if value is True:
+        return TurnTakingConfig()
+    names = sorted(f.name for f in dataclasses.fields(TurnTakingConfig))
+    for key in _object(value, where):
+        if key not in names:
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}; {where} takes "
+                              f"{', '.join(names)}", f"{where}.{show(key, 40)[1:-1]}")
+    try:
+        return TurnTakingConfig.from_dict(value)
+    except (ValueError, TypeError) as e:
+        raise ClientError("invalid_value", f"session.nvchat.{e}", where) from None
+
+
+def turn_taking_json(config: Any) -> Any:
+    """The policy in effect as session.updated shows it: false, or its fields."""
+    return False if config is None else config.to_dict()
+
+
 def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
     for key, value in _object(extension, where).items():
         kinds = NVCHAT_KEYS.get(key)
@@ -105,6 +148,9 @@ def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
                               f"{', '.join(sorted(NVCHAT_KEYS))}", f"{where}.{show(key, 40)[1:-1]}")
         if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
             raise ClientError("invalid_value", f"{where}.{key} has the wrong type: {show(value)}", f"{where}.{key}")
+        if key == "turn_taking":
+            cfg.turn_taking = turn_taking_config(value, f"{where}.turn_taking")
+            continue
         try:
             StreamingOptions.check(key, value)
         except ValueError as e:
@@ -168,22 +214,19 @@ def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> 
             for key in sorted(GA_AUDIO_KEYS[side] - {"format"}):
                 if key in part:
                     _pass_through(cfg, f"audio.{side}.{key}", part[key])
-    if "output_modalities" in session and session["output_modalities"] != ["audio"]:
-        raise ClientError("invalid_value", "session.output_modalities must be ['audio']: the model always "
-                          "speaks (its text comes as the audio transcript)", "session.output_modalities")
     if "nvchat" in session:
         _nvchat(cfg, session["nvchat"], "session.nvchat")
     if "tools" in session:
         cfg.tools = _ga_tools(session["tools"], tools_supported)
-    if "tool_choice" in session:
-        if session["tool_choice"] != "auto":
-            raise ClientError("invalid_value", "session.tool_choice must be 'auto': the model decides when to call",
-                              "session.tool_choice")
-        cfg.tool_choice = "auto"
+    # Valid GA values the model cannot honour (it always speaks; it decides itself when to call a
+    # tool): taken, and shown in nvchat.not_applied; session.updated shows what is in effect.
     for key in ("model", "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning", "tracing",
-                "truncation"):
+                "truncation", "output_modalities", "tool_choice"):
         if key in session:
             _pass_through(cfg, key, session[key])
+    for key, in_effect in (("output_modalities", ["audio"]), ("tool_choice", "auto")):
+        if cfg.accepted.get(key, in_effect) == in_effect:
+            cfg.accepted.pop(key, None)
     return cfg
 
 

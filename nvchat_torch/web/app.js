@@ -32,6 +32,26 @@ function send(event) { if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.
 
 function setStatus(text) { $('status').textContent = text; document.body.dataset.status = text; }
 
+// Whose turn it is, from the server's events (NVIDIA's turn-taking as GA server VAD events).
+const TURNS = {user: 'you are speaking', thinking: 'the model takes the turn', assistant: 'the model is speaking',
+               listening: 'listening', interrupted: 'interrupted: listening', idle: 'idle'};
+function setTurn(turn) { $('turn').textContent = TURNS[turn]; $('turn').dataset.turn = turn; }
+
+// Messages to the player's worklet that it answers with its queue depth in samples, in order.
+const depthReplies = [];
+function askPlayer(message) {
+  return new Promise((resolve) => { depthReplies.push(resolve); player.port.postMessage(message); });
+}
+function queued() { return askPlayer('depth'); }
+const bargeIns = [];  // per drop: samples queued before it and right after it (the page's test reads them)
+
+function dropPlayback() {
+  // at once, in this event's handler: what the model said before the user cut in is not played
+  const before = askPlayer('clear'), after = queued();
+  const turn = $('turn').dataset.turn;  // 'assistant' or 'interrupted': the user cut in over the model
+  Promise.all([before, after]).then(([b, a]) => bargeIns.push({before: b, after: a, turn}));
+}
+
 function addLine(pane, cls) {
   const div = document.createElement('div');
   div.className = 'turn ' + (cls || '');
@@ -57,13 +77,19 @@ function showToolCall(event) {
 function onEvent(event) {
   switch (event.type) {
     case 'session.created': setStatus('connected'); break;
-    case 'session.updated': setStatus('streaming'); break;
+    case 'session.updated': setStatus('streaming'); if ($('turn').dataset.turn === 'idle') setTurn('listening'); break;
+    case 'input_audio_buffer.speech_started':
+      // the user speaks (or talks over the model): queued playback is dropped
+      if (player) dropPlayback();
+      setTurn('user');
+      break;
+    case 'input_audio_buffer.speech_stopped': setTurn('thinking'); break;
     case 'conversation.item.input_audio_transcription.delta':
       if (!userLine) userLine = addLine('user');
       userLine.textContent += event.delta;
       break;
     case 'conversation.item.input_audio_transcription.completed': userLine = null; break;
-    case 'response.created': line = addLine('assistant'); break;
+    case 'response.created': line = addLine('assistant'); setTurn('assistant'); break;
     case 'response.output_audio_transcript.delta':
       if (!line) line = addLine('assistant');
       line.textContent += event.delta;
@@ -74,7 +100,12 @@ function onEvent(event) {
       $('audio-deltas').textContent = ++deltas;
       break;
     }
-    case 'response.done': line = null; break;
+    case 'response.done':
+      line = null;
+      if ($('turn').dataset.turn === 'assistant') {
+        setTurn(event.response.status === 'cancelled' ? 'interrupted' : 'listening');
+      }
+      break;
     case 'response.function_call_arguments.done': showToolCall(event); break;
     case 'nvchat.stats':
       $('rtf').textContent = event.realtime_factor.toFixed(3);
@@ -96,6 +127,7 @@ async function start() {
     const source = ctx.createMediaStreamSource(mic);
     const capture = new AudioWorkletNode(ctx, 'capture', {processorOptions: {chunk: CHUNK}});
     player = new AudioWorkletNode(ctx, 'player');
+    player.port.onmessage = (e) => { if (depthReplies.length) depthReplies.shift()(e.data.depth); };
     source.connect(capture);
     capture.connect(ctx.destination);  // outputs silence; connected so the graph pulls it
     player.connect(ctx.destination);
@@ -105,7 +137,9 @@ async function start() {
     if ($('apikey').value) protocols.push('openai-insecure-api-key.' + $('apikey').value);
     ws = new WebSocket(url, protocols);
     ws.onopen = () => {
-      const session = {type: 'realtime', output_modalities: ['audio'], nvchat: {stats: true},
+      const nvchat = {stats: true};
+      if ($('selfplay').checked) nvchat.turn_taking = {self_play_suppression: true};
+      const session = {type: 'realtime', output_modalities: ['audio'], nvchat,
                        audio: {input: {format: {type: 'audio/pcm', rate: RATE}},
                                output: {format: {type: 'audio/pcm', rate: RATE}}}};
       if ($('instructions').value) session.instructions = $('instructions').value;
@@ -126,7 +160,8 @@ function stop() {
   if (ws && ws.readyState === WebSocket.OPEN) { ws.close(1000); setStatus('stopped'); }
   if (mic) mic.getTracks().forEach((t) => t.stop());
   if (ctx) ctx.close();
-  ws = ctx = mic = null;
+  ws = ctx = mic = player = null;
+  setTurn('idle');
   $('stop').disabled = true;
   $('start').disabled = false;
 }
@@ -134,3 +169,4 @@ function stop() {
 $('start').onclick = start;
 $('stop').onclick = stop;
 if (new URLSearchParams(location.search).has('autostart')) start();
+window.nvchat = {onEvent, queued, bargeIns};  // for tests and the console

@@ -33,7 +33,11 @@ class Player extends AudioWorkletProcessor {
     this.buffered = 0;
     this.started = false;
     this.port.onmessage = (e) => {
-      if (e.data === 'clear') { this.queue = []; this.offset = 0; this.buffered = 0; this.started = false; return; }
+      // 'clear': drop everything queued, at once (a barge-in), saying how much that was;
+      // 'depth': say how much is queued (samples)
+      if (e.data === 'clear' || e.data === 'depth') this.port.postMessage({depth: this.buffered});
+      if (e.data === 'clear') { this.queue = []; this.offset = 0; this.buffered = 0; this.started = false; }
+      if (typeof e.data === 'string') return;
       this.queue.push(e.data);
       this.buffered += e.data.length;
     };

@@ -1,0 +1,181 @@
+"""The GA conversation as a list of items, for :class:`~nvchat_torch.server.app.Connection`: the
+``conversation.item.*`` client events (create, truncate, retrieve, delete) and the
+``conversation.item.added`` / ``.done`` server events for every item (the user's audio, the
+assistant's messages, function calls and their outputs, and what the client creates).
+
+The model is full duplex and hears audio only, so items are mostly a record for the client. What
+the model hears of a client's ``message`` item is decided here and documented in docs/server.md
+("Conversation items"): before the conversation has started, its text is rendered into the
+prompt; once it runs, the item is recorded and not heard, and an ``nvchat.notice`` says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+from .ga_schema import show
+from .responses import new_id
+from .session_config import ClientError
+
+__all__ = ["ItemEvents", "MAX_ITEMS", "render_message"]
+
+MAX_ITEMS = 1024  # items kept for retrieve/truncate/delete per connection; the oldest are forgotten
+MESSAGE_ROLES = ("user", "assistant", "system")
+TEXT_PARTS = ("input_text", "output_text", "text")
+OTHER_PARTS = ("input_audio", "output_audio", "audio", "input_image")
+PART_KEYS = frozenset({"type", "text", "audio", "transcript", "image_url", "detail"})
+ITEM_KEYS = frozenset({"id", "object", "type", "status", "role", "content", "call_id", "name", "arguments", "output"})
+
+
+def render_message(role: str, text: str) -> str:
+    """A message's text as it is added to the prompt before the conversation starts: a system
+    message as it is, a user or assistant message as a line naming its speaker."""
+    return text if role == "system" else f"{role.capitalize()}: {text}"
+
+
+def _message_text(item: dict) -> str:
+    return "\n".join(part["text"] for part in item.get("content") or []
+                     if part.get("type") in TEXT_PARTS and part.get("text"))
+
+
+def _check_item(item: Any) -> dict:
+    """A GA item the client may create (message, function_call, function_call_output), or a ClientError."""
+    if not isinstance(item, dict):
+        raise ClientError("invalid_value", "conversation.item.create needs an 'item' object", "item")
+    for key in item:
+        if key not in ITEM_KEYS:
+            raise ClientError("unknown_parameter", f"unknown parameter item.{show(key, 40)[1:-1]}; an item takes "
+                              f"{', '.join(sorted(ITEM_KEYS))}", f"item.{show(key, 40)[1:-1]}")
+    kind = item.get("type")
+    if "id" in item and not isinstance(item["id"], str):
+        raise ClientError("invalid_value", f"item.id must be a string, got {show(item['id'])}", "item.id")
+    if kind == "message":
+        if item.get("role") not in MESSAGE_ROLES:
+            raise ClientError("invalid_value", f"item.role must be one of {', '.join(MESSAGE_ROLES)}, got "
+                              f"{show(item.get('role'))}", "item.role")
+        content = item.get("content", [])
+        if not isinstance(content, list):
+            raise ClientError("invalid_value", "item.content must be a list of content parts", "item.content")
+        for i, part in enumerate(content):
+            where = f"item.content[{i}]"
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS + OTHER_PARTS:
+                raise ClientError("invalid_value", f"{where} must be a content part with a type of "
+                                  f"{', '.join(TEXT_PARTS + OTHER_PARTS)}, got {show(part)}", where)
+            for key, value in part.items():
+                if key not in PART_KEYS:
+                    raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}",
+                                      f"{where}.{show(key, 40)[1:-1]}")
+                if key != "type" and value is not None and not isinstance(value, str):
+                    raise ClientError("invalid_value", f"{where}.{key} must be a string", f"{where}.{key}")
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            raise ClientError("invalid_value", "function_call_output needs string 'call_id' and 'output'", "item")
+    elif kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key, ""), str):
+                raise ClientError("invalid_value", f"item.{key} must be a string", f"item.{key}")
+    else:
+        raise ClientError("invalid_value", f"item.type must be message, function_call or function_call_output, "
+                          f"got {show(kind)}", "item.type")
+    return item
+
+
+def _nonneg_int(event: dict, key: str) -> int:
+    value = event.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ClientError("invalid_value", f"'{key}' must be a non-negative integer, got {show(value)}", key)
+    return value
+
+
+class ItemEvents:
+    """Mixed into ``Connection``: the conversation's items and their events. Uses the connection's
+    ``send``, ``scheduler``, ``handle``, ``config`` and ``client_event_id``."""
+
+    handle: int | None
+    scheduler: Any
+    config: Any
+    client_event_id: str | None
+
+    def _init_items(self) -> None:
+        self.items: OrderedDict[str, dict] = OrderedDict()
+
+    async def _item_added(self, item: dict, previous_item_id: Any = ...) -> None:
+        """Record ``item`` (a GA item with ``id``) and send ``conversation.item.added``."""
+        if previous_item_id is ...:
+            previous_item_id = next(reversed(self.items), None)
+        self.items[item["id"]] = item
+        self.items.move_to_end(item["id"])
+        while len(self.items) > MAX_ITEMS:
+            self.items.popitem(last=False)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous_item_id, "item": item})
+
+    async def _item_done(self, item: dict) -> None:
+        """``item`` is complete: recorded as it now is, and ``conversation.item.done`` sent."""
+        if item["id"] in self.items:
+            self.items[item["id"]] = item
+        await self.send({"type": "conversation.item.done", "item": item})
+
+    def _find_item(self, event: dict, code: str) -> dict:
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str):
+            raise ClientError("invalid_value", f"'item_id' must be a string, got {show(item_id)}", "item_id")
+        if item_id not in self.items:
+            raise ClientError(code, f"no item with id {show(item_id)} in this conversation", "item_id")
+        return self.items[item_id]
+
+    async def _item_create(self, event: dict) -> None:
+        item = dict(_check_item(event.get("item")))
+        previous = event.get("previous_item_id")
+        if previous is not None and not isinstance(previous, str):
+            raise ClientError("invalid_value", "'previous_item_id' must be a string or null", "previous_item_id")
+        item["id"] = item.get("id") or new_id("item")
+        if item["id"] in self.items:
+            raise ClientError("item_already_exists", f"an item with id {show(item['id'])} already exists", "item.id")
+        if item["type"] == "function_call_output":
+            if self.handle is None:
+                raise ClientError("invalid_state", "no session is running: a tool result answers a call the model "
+                                  "made", "item")
+            try:
+                value = json.loads(item["output"])
+            except (ValueError, RecursionError):
+                value = item["output"]
+            self.scheduler.call(self.handle, "send_tool_result", item["call_id"], value, tag=self.client_event_id)
+        item = {**item, "object": "realtime.item", "status": "completed"}
+        heard = item["type"] != "message" or self._message_heard(item)
+        await self._item_added(item, previous if "previous_item_id" in event else ...)
+        await self._item_done(item)
+        if not heard:
+            await self.send({"type": "nvchat.notice", "code": "item_not_heard", "item_id": item["id"],
+                             "message": "the conversation is running and the model hears audio only: this item is "
+                                        "recorded, and the model does not hear it"})
+
+    def _message_heard(self, item: dict) -> bool:
+        """Before the conversation starts, a message's text joins the prompt (docs/server.md)."""
+        text = _message_text(item)
+        if self.handle is not None:
+            return not text
+        if text:
+            self.config.messages = [*self.config.messages, render_message(item["role"], text)]
+        return True
+
+    async def _item_truncate(self, event: dict) -> None:
+        item = self._find_item(event, "item_truncate_invalid_item_id")
+        content_index = _nonneg_int(event, "content_index")
+        audio_end_ms = _nonneg_int(event, "audio_end_ms")
+        # The model's context is its own timeline: what it said stays there. The item records where
+        # the client stopped playing it.
+        self.items[item["id"]] = {**item, "nvchat_audio_end_ms": audio_end_ms}
+        await self.send({"type": "conversation.item.truncated", "item_id": item["id"], "content_index": content_index,
+                         "audio_end_ms": audio_end_ms})
+
+    async def _item_retrieve(self, event: dict) -> None:
+        item = self._find_item(event, "item_retrieve_invalid_item_id")
+        await self.send({"type": "conversation.item.retrieved",
+                         "item": {k: v for k, v in item.items() if not k.startswith("nvchat_")}})
+
+    async def _item_delete(self, event: dict) -> None:
+        item = self._find_item(event, "item_delete_invalid_item_id")
+        del self.items[item["id"]]
+        await self.send({"type": "conversation.item.deleted", "item_id": item["id"]})
