@@ -88,7 +88,8 @@ async def client(index: int, url: str, pcm: np.ndarray, args, deadline: float) -
     await asyncio.sleep(index * args.stagger)
     session = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                              "output": {"format": {"type": "audio/pcm", "rate": 22050}}},
-               "nvchat": {"seed": index, "stats": True}}
+               # the whole timeline, every 80 ms heard: listening audio is otherwise held back (docs/server.md)
+               "nvchat": {"seed": index, "stats": True, "turn_taking": False, "listening_audio": True}}
     if args.prompt_chars:
         session["instructions"] = (FILLER * (args.prompt_chars // len(FILLER) + 1))[:args.prompt_chars]
     r = {"client": index, "arrivals": [], "samples": 0, "errors": [], "rtf": [], "start": None, "commit": None,
