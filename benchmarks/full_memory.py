@@ -67,7 +67,7 @@ def write_checkpoint(folder: Path, shard_gb: float, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from nvchat_torch.tiny import random_model
+    from nvchat_torch.tiny import random_model, write_card_files
 
     model = random_model("full", seed, bits=4)
     state = model.state_dict()
@@ -89,15 +89,7 @@ def write_checkpoint(folder: Path, shard_gb: float, seed: int) -> None:
     total = sum(t.numel() * t.element_size() for t in state.values())
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
-    config = model.config.to_dict()
-    config["quantization"] = config["quantization_config"] = {"group_size": 64, "bits": 4, "mode": "affine"}
-    config["architectures"] = ["NemotronVoiceChatForConditionalGeneration"]
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    model.tokenizer.save_pretrained(str(folder))
-    rnnt = folder / "rnnt_tokenizer"
-    rnnt.mkdir(exist_ok=True)
-    (rnnt / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(model.config.rnnt_vocabulary)},
-                                                ensure_ascii=False, indent=1) + "\n")
+    write_card_files(model, folder, bits=4, group_size=64)
     (folder / "DONE").write_text(f"{total} bytes, torch {torch.__version__}\n")
 
 

@@ -458,6 +458,16 @@ def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_si
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
              "weight_map": {k: "model.safetensors" for k in sorted(tensors)}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_card_files(model, folder, bits, group_size)
+    return folder
+
+
+def write_card_files(model, folder: str | Path, bits: int | None = None, group_size: int = 64) -> None:
+    """A card's files beside its shards: the flat ``config.json`` (with the quantization map when
+    ``bits``), the LLM tokenizer and ``rnnt_tokenizer/vocab.json``."""
+    import json
+
+    folder = Path(folder)
     config = model.config.to_dict()
     if bits:
         config["quantization"] = config["quantization_config"] = {"group_size": group_size, "bits": bits,
@@ -469,4 +479,3 @@ def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_si
     rnnt.mkdir(exist_ok=True)
     (rnnt / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(model.config.rnnt_vocabulary)},
                                                 ensure_ascii=False, indent=1) + "\n")
-    return folder
