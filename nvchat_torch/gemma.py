@@ -187,7 +187,7 @@ class TTSCache:
         size = grown_capacity(capacity, needed, self.limit if window is None else window)
         for buffers in (self.keys, self.values):
             old = buffers[layer]
-            grown = old.new_empty(*old.shape[:2], size, old.shape[3])
+            grown = old.new_zeros(*old.shape[:2], size, old.shape[3])  # masked slots must be finite (see KVCache)
             grown[:, :, :capacity] = old
             buffers[layer] = grown
 

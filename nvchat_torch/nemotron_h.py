@@ -146,7 +146,9 @@ class KVCache:
 
     @staticmethod
     def _grown(buf: torch.Tensor, size: int, held: int) -> torch.Tensor:
-        out = buf.new_empty((*buf.shape[:2], size, buf.shape[3]))
+        # Zeros, not new_empty: a batched row reads (masked) up to the longest row's end, and a masked
+        # slot holding NaN from reused memory still poisons the softmax-weighted sum (0 * NaN).
+        out = buf.new_zeros((*buf.shape[:2], size, buf.shape[3]))
         out[:, :, :held] = buf[:, :, :held]
         return out
 

@@ -396,3 +396,38 @@ def test_a_deferred_prefill_joins_in_pieces_while_others_step(tiny, make_checkpo
     assert pieces_steps > 10 and not engine.joining
     assert_same_events(got_a, run_alone(model, streaming))
     assert_same_events(got_b, run_alone(model, joining))
+
+
+def test_rows_never_read_memory_nothing_wrote(tiny, waves, monkeypatch):
+    """A row reads every slot up to the longest row's end, masked past its own; a masked slot still
+    holding NaN from reused memory would poison its attention (0 * NaN). With every uninitialized
+    float allocation filled with NaN, a short session beside one with a long prompt (its caches grown
+    past the short one's end) still equals itself alone. (CI once saw the short row turn to id 0.)"""
+    def poison(make):
+        def poisoned(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return poisoned
+
+    short = Plan(None, 0, waves[0], (FRAME,))
+    want = run_alone(tiny, short)
+    monkeypatch.setattr(torch.Tensor, "new_empty", poison(torch.Tensor.new_empty))
+    monkeypatch.setattr(torch, "empty", poison(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poison(torch.empty_like))
+    engine = tiny.create_engine(max_sessions=2)
+    a, b = engine.open(short.options()), None
+    chunks, got = short.chunks(), []
+    for step in range(200):
+        if chunks:
+            a.push_audio(chunks.pop(0), 16000)
+        elif not a.finishing:
+            a.flush()
+        if step == 4:  # joins later, far ahead in LLM and TTS positions
+            b = engine.open(StreamingOptions(system_prompt=PROMPT * 4, deterministic=True))
+        if b is not None and not b.closed:
+            b.push_audio(waves[1][:FRAME], 16000)
+        got += engine.step().get(a, [])
+        if a.closed:
+            break
+    assert b is not None and b.frame_index > 5
+    assert_same_events(got, want)
