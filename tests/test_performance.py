@@ -119,15 +119,19 @@ def test_checkpoints_we_write_are_read_by_the_reference(tmp_path, reference):
 def test_benchmark_runs_and_reports(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.frame_loop", "--preset", "tiny", "--seconds", "1.6",
-                           "--warmup", "2", "--threads", "1", "--json", str(out)],
+                           "--warmup", "2", "--threads", "1", "--rounds", "2", "--json", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "NVCHAT_BENCH_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
-    for needle in ("real-time factor", "host reads per frame: 1", "non-view ATen ops per frame", "MLX reference"):
+    for needle in ("real-time factor", "host reads per frame: 1", "non-view ATen ops per frame", "MLX reference",
+                   "min of 2 alternating rounds"):
         assert needle in proc.stdout, proc.stdout
     report = json.loads(out.read_text())
     assert report["ours"]["summary"]["frames"] == 20 - 3
     assert report["reference"]["summary"]["frames"] == 20 - 3
+    # the ratio is of each side's fastest of the alternating rounds
+    assert len(report["ours"]["rounds_ms"]) == len(report["reference"]["rounds_ms"]) == 2
+    assert report["ours"]["ratio_to_reference"] == min(report["ours"]["rounds_ms"]) / min(report["reference"]["rounds_ms"])
 
 
 def test_server_load_benchmark_runs_and_reports(tmp_path):
