@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import warnings
 from collections import Counter
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["return_freed_memory", "HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "device_memory", "synchronize"]
+__all__ = ["return_freed_memory", "HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "device_memory", "synchronize",
+           "MPS_CPU_FALLBACK", "CpuFallbackWarning", "CpuFallbackRecorder"]
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
@@ -118,3 +121,71 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError):  # musl and others have no malloc_trim
         return
     trim(0)
+
+
+# What torch's MPS backend warns (aten/src/ATen/mps/MPSFallback.mm, ``mps_fallback``) when
+# PYTORCH_ENABLE_MPS_FALLBACK=1 runs an op without an MPS kernel on the CPU: "The operator
+# 'aten::name.overload' is not currently supported on the MPS backend and will fall back to run on the
+# CPU. This may have performance implications."
+MPS_CPU_FALLBACK = re.compile(r"The operator '([^']+)' is not currently supported on the MPS backend "
+                              r"and will fall back to run on the CPU")
+
+
+class CpuFallbackWarning(RuntimeWarning):
+    """An op the MPS backend ran on the CPU (one per op, from :class:`CpuFallbackRecorder`)."""
+
+
+class CpuFallbackRecorder:
+    """Inside the block, records each op that torch's MPS backend ran on the CPU, from its warning.
+
+    torch issues that warning with ``TORCH_WARN_ONCE`` (once per process, for whichever op came first),
+    so the block sets ``torch.set_warn_always(True)``: every fallback then warns, and the recorder
+    keeps one entry per op and issues one :class:`CpuFallbackWarning` per op new to it, naming the op,
+    the device and the cost. ``model``: the entries go to ``model.cpu_fallbacks`` (op -> what it
+    costs), which ``model.describe()`` lists, and an op already there is not warned again. Every other
+    warning of the block is issued again after it, once per message."""
+
+    def __init__(self, model: Any = None):
+        self.ops: dict[str, str] = {}
+        self._catch: Any = None
+        self._caught: list = []
+        self._warn_always = False
+        if model is not None:
+            self.attach(model)
+
+    def attach(self, model: Any) -> None:
+        """Keep the entries in ``model.cpu_fallbacks`` (those recorded so far join it)."""
+        held = model.__dict__.setdefault("cpu_fallbacks", {})
+        for op, cost in self.ops.items():
+            held.setdefault(op, cost)
+        self.ops = held
+
+    def __enter__(self) -> "CpuFallbackRecorder":
+        self._warn_always = torch.is_warn_always_enabled()
+        torch.set_warn_always(True)
+        self._catch = warnings.catch_warnings(record=True)
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._catch.__exit__(*exc)
+        torch.set_warn_always(self._warn_always)
+        others: dict[tuple, warnings.WarningMessage] = {}
+        for w in self._caught:
+            found = MPS_CPU_FALLBACK.search(str(w.message))
+            if found:
+                self.record(found.group(1))
+            else:
+                others.setdefault((w.category, str(w.message)), w)
+        for w in others.values():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+    def record(self, op: str) -> None:
+        """``op`` ran on the CPU: kept, and warned about if it is new."""
+        if op in self.ops:
+            return
+        self.ops[op] = ("no mps kernel: PYTORCH_ENABLE_MPS_FALLBACK=1 runs it on the CPU, copying its tensors to "
+                        "the host and back and waiting for the mps queue on every call")
+        warnings.warn(f"{op} ran on the CPU instead of mps ({self.ops[op]}; see model.describe())",
+                      CpuFallbackWarning)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from . import __version__
-from .diagnostics import OpCounter, count_host_reads, device_memory, model_bytes, synchronize
+from .diagnostics import (CpuFallbackRecorder, CpuFallbackWarning, OpCounter, count_host_reads, device_memory,
+                          model_bytes, synchronize)
 from .events import StreamingOptions
 from .int4pack import INT4_DEVICE_TYPES, int4_kernel
 from .op_audit import Audit, OpRecorder, tone
@@ -38,7 +39,6 @@ from .quant import QuantizedLinear, self_test_kernel
 __all__ = ["main", "report", "deep_checkpoint"]
 
 FRAME = 1280
-MPS_FALLBACK = "fall back to run on the CPU"
 
 
 def deep_checkpoint(seed: int = 0) -> Path:
@@ -154,12 +154,15 @@ def report(device: str | None = None, model_path: str | None = None, frames: int
         warnings.simplefilter("always")
         kernels = kernel_rows(target)
         path = Path(model_path) if model_path else deep_checkpoint(seed)
-        model = load_model(path, device=target, dtype=dtype)
-        run = run_frames(model, frames)
+        with CpuFallbackRecorder() as cpu_fallbacks:  # what MPS ran on the CPU, per op
+            model = load_model(path, device=target, dtype=dtype)
+            cpu_fallbacks.attach(model)  # model.describe() lists them
+            run = run_frames(model, frames)
     fell_back = sorted({str(w.message).splitlines()[0] for w in caught
-                        if MPS_FALLBACK in str(w.message) or issubclass(w.category, RuntimeWarning)})
+                        if issubclass(w.category, RuntimeWarning) and not issubclass(w.category, CpuFallbackWarning)})
     fell_back += sorted({f"model: {m.fallback}" for m in model.modules()
                          if isinstance(m, QuantizedLinear) and m.fallback})
+    fell_back += [f"{op} ran on the CPU instead of mps: {cost}" for op, cost in sorted(cpu_fallbacks.ops.items())]
     on_cpu_for_mps = [p for p in run["audit"].problems if "no MPS kernel" in p]
     lines = ["## nvchat_torch doctor", "", "| | |", "|---|---|",
              f"| nvchat_torch | {__version__} |", f"| torch | {torch.__version__} |",

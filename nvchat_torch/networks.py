@@ -192,6 +192,9 @@ class VoiceChatNetworks(nn.Module):
         lines = [f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
                  f"{n / 1e6:.1f} M parameters ({model_bytes(self) / 1e9:.2f} GB as held), {mode}, on {self.device}"]
         lines += [f"  {key}: {count}" for key, count in sorted(paths.items())]
+        # ops the MPS backend ran on the CPU, as diagnostics.CpuFallbackRecorder saw them
+        lines += [f"  fallback: {op} ran on the CPU ({cost})"
+                  for op, cost in sorted(getattr(self, "cpu_fallbacks", {}).items())]
         return "\n".join(lines)
 
 

@@ -6,37 +6,107 @@ wheel ships (``torchgen/packaged/ATen/native/``): an op runs on MPS when its ``d
 ``CompositeExplicitAutogradNonFunctional``: built from other ops), when it has no ``dispatch`` (then it is
 CompositeImplicitAutograd), or when its ``structured_delegate`` (the ``.out`` variant that holds the
 kernels, as ``add.Tensor`` -> ``add.out``) does. MPS has no float64 and no complex tensors; bf16 needs
-macOS 14 and appears only where docs/parity.md has the reference compute in bf16 (never for a
-float32 checkpoint in the faithful mode).
+macOS 14 and appears only where docs/parity.md has the reference compute in bf16: never for a float32
+checkpoint in the faithful mode (no bf16 tensor at all), and for the other layouts in the faithful
+mode only inside the networks its "dtype flow" table marks bf16 (:data:`BF16_NETWORKS`; an op's
+network is the innermost of the model's modules on its call stack, :data:`NETWORKS`).
 
 ``python -m nvchat_torch.op_audit [--write docs/mps.md]`` records the scenarios of :func:`audit`
 (load + prepare, prompt prefill and streaming frames, an engine step with a sampling and a
-deterministic row, offline ``generate``) for the float32, 4-bit and 8-bit card and bf16 layouts in
-both modes, prints the table and writes it between the markers of docs/mps.md; tests/test_mps.py
-fails when an op without an MPS kernel appears.
+deterministic row, offline ``generate``; for the 4-bit layout also load + prepare and frames through
+the MPS int4pack branch) for the float32, 4-bit and 8-bit card and bf16 layouts in both modes,
+prints the tables and writes them between the markers of docs/mps.md; tests/test_mps.py fails when
+an op without an MPS kernel or a bf16 call outside its networks appears, or docs/mps.md is stale.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["NativeFunctions", "OpRecorder", "Audit", "audit", "audit_checkpoint", "LAYOUTS", "MODES",
-           "markdown_table", "write_between_markers", "tone"]
+__all__ = ["NativeFunctions", "OpRecorder", "Audit", "audit", "audit_checkpoint", "LAYOUTS", "MODES", "NETWORKS",
+           "BF16_NETWORKS", "network_of", "clear_caches", "markdown_table", "document", "write_between_markers",
+           "read_between_markers", "tone"]
 
 MPS_KEYS = ("MPS", "CompositeImplicitAutograd", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
 UNSUPPORTED_DTYPES = (torch.float64, torch.complex32, torch.complex64, torch.complex128)
 LAYOUTS = ("float32", "4bit", "8bit", "bf16")
 MODES = {"faithful": None, "fast": torch.bfloat16}
 BEGIN, END = "<!-- op-audit:begin -->", "<!-- op-audit:end -->"
+
+# docs/parity.md's "dtype flow" table, its networks by module path (the longest prefix wins). The Gemma
+# norms are a kind of layer, not a path: an OffsetRMSNorm that adds ``1 + w`` in the weight's dtype.
+NETWORKS = (
+    ("stt_model.perception.log_mel", "log-mel"), ("stt_model.perception", "Conformer, projection"),
+    ("stt_model.rnnt_decoder", "RNNT prediction"), ("stt_model.rnnt_joint", "RNNT joint"),
+    ("stt_model.embed_tokens", "LLM input"), ("stt_model.llm", "Nemotron-H, both heads"),
+    ("stt_model.lm_head", "Nemotron-H, both heads"), ("stt_model.function_head", "Nemotron-H, both heads"),
+    ("fused_heads", "Nemotron-H, both heads"),
+    ("tts_model.tts_model.embed_subword", "character encoder"),
+    ("tts_model.tts_model.gated_fusion_audio_text", "gated fusion"),
+    ("tts_model.tts_model", "EAR-TTS depth sum, code embedding, backbone, MoG head, distances"),
+    ("tts_model.audio_codec", "codec decoder"),  # the codec's own methods: the decoder's spectral head, the iSTFT
+    ("tts_model.audio_codec.prvq", "RVQ nearest neighbour"), ("tts_model.audio_codec.encoder", "codec encoder"),
+    ("tts_model.audio_codec.decoder", "codec decoder"),
+)
+GEMMA_NORMS = "Gemma norms"
+# Functions docs/parity.md names as a network's formula, called from wherever it is needed (prepare's
+# precomputed codebook norms, the frame loop's LLM input): they name the network before any module does.
+FUNCTION_NETWORKS = (("nvchat_torch.layers", "squared_norms", "RVQ nearest neighbour"),
+                     ("nvchat_torch.language_heads", "fused_input", "LLM input"))
+OUTSIDE = "outside every network"  # the frame loop's own ops, or a recorder told no model
+# Per layout, the networks docs/parity.md has the reference compute (partly) in bf16 in the faithful
+# mode. On the cards (float32 LLM scales, every other weight bf16) these are the ops whose operands are
+# all bf16; the bf16 card adds the LLM and its input, bf16 throughout its prompt prefill. The fast mode
+# is bf16 anywhere, so no rule applies to it.
+_BF16_ISLANDS = ("RNNT prediction", "character encoder", "gated fusion", GEMMA_NORMS, "RVQ nearest neighbour",
+                 "codec encoder", "codec decoder")
+BF16_NETWORKS: dict[str, tuple[str, ...]] = {
+    "float32": (), "4bit": _BF16_ISLANDS, "8bit": _BF16_ISLANDS,
+    "bf16": _BF16_ISLANDS + ("LLM input", "Nemotron-H, both heads")}
+
+
+# Ops whose bf16 output holds values of their bf16 inputs exactly (moves, selections, sign changes) or
+# creates none (zeros, empty): with no floating input of another dtype they round nothing.
+EXACT_IN_BF16 = frozenset({
+    "cat", "stack", "index_select", "index", "gather", "clone", "copy_", "_to_copy", "zeros", "zeros_like",
+    "empty", "empty_like", "empty_strided", "new_zeros", "new_empty", "new_empty_strided", "index_put_",
+    "index_put", "narrow_copy", "repeat", "expand_copy", "where", "embedding", "detach_", "abs", "neg",
+    "select_scatter", "slice_scatter", "flip", "roll", "zero_"})
+
+
+def rounds_to_bf16(func: torch._ops.OpOverload, inputs: set[torch.dtype], outputs: set[torch.dtype]) -> bool:
+    """Whether ``func`` rounds a value to bf16: it has a bf16 output that is not a view, and it is neither
+    an :data:`EXACT_IN_BF16` op whose floating inputs are all bf16 nor a product of bf16 values with a
+    bool mask (``x * mask``: x or 0)."""
+    if torch.bfloat16 not in outputs or func.is_view:
+        return False
+    floating = {d for d in inputs if d.is_floating_point}
+    name = func.overloadpacket.__name__
+    if name in EXACT_IN_BF16 and floating <= {torch.bfloat16}:
+        return False
+    return not (name == "mul" and torch.bool in inputs and floating <= {torch.bfloat16})
+
+
+def network_of(path: str, module: torch.nn.Module) -> str:
+    """The docs/parity.md network of the module at ``path`` in the model (see :data:`NETWORKS`)."""
+    from .layers import OffsetRMSNorm
+
+    if isinstance(module, OffsetRMSNorm) and not module.fp32:
+        return GEMMA_NORMS
+    found = max((p for p, _ in NETWORKS if path == p or path.startswith(p + ".")), key=len, default=None)
+    return dict(NETWORKS)[found] if found else OUTSIDE
 
 
 def shipped_yaml() -> Path:
@@ -91,29 +161,78 @@ class NativeFunctions:
 
 class OpRecorder(TorchDispatchMode):
     """Records every ATen op dispatched inside the block with the dtypes of its tensors (inputs and
-    outputs), under a scenario name (``recorder.scenario = ...``)."""
+    outputs), under a scenario name (``recorder.scenario = ...``). For an op that rounds to bf16 (a
+    bf16 output, views aside) it also records the network it ran in: the innermost module of the
+    model :meth:`attribute` named (``model``: at once) that is on the call stack (:func:`network_of`)."""
 
-    def __init__(self):
+    def __init__(self, model: torch.nn.Module | None = None):
         super().__init__()
         self.scenario = ""
-        self.ops: Counter = Counter()  # (op, dtypes, scenario) -> count
+        self.ops: Counter = Counter()  # (op, dtypes, scenario, bf16 network or None) -> count
+        self.modules: dict[int, tuple[str, torch.nn.Module]] = {}  # id -> (path, module): kept, so ids stay unique
+        self._inside_stand_in = 0
+        self._functions: dict[Any, str] = {}
+        if model is not None:
+            self.attribute(model)
+
+    def attribute(self, model: torch.nn.Module) -> None:
+        """Name the networks of ``model`` (again after a ``prepare`` that swapped modules)."""
+        import importlib
+
+        self.modules = {id(m): (path, m) for path, m in model.named_modules()}
+        self._functions = {getattr(importlib.import_module(module), function).__code__: network
+                           for module, function, network in FUNCTION_NETWORKS}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        dtypes: set[torch.dtype] = set()
-        for value in (*args, *(kwargs or {}).values(), out):  # tensors, or lists of them (cat, split)
-            if isinstance(value, torch.Tensor):
-                dtypes.add(value.dtype)
-            elif isinstance(value, (list, tuple)):
-                dtypes.update(v.dtype for v in value if isinstance(v, torch.Tensor))
-        self.ops[(func, frozenset(dtypes), self.scenario)] += 1
+        if not self._inside_stand_in:
+            self._record(func, (*args, *(kwargs or {}).values()), out)
         return out
 
+    def _record(self, func, inputs: tuple, out) -> None:
+        dtypes: set[torch.dtype] = set()
+        outputs: set[torch.dtype] = set()
+        for value, seen in ((inputs, dtypes), ((out,), outputs)):
+            for v in value:  # tensors, or lists of them (cat, split)
+                if isinstance(v, torch.Tensor):
+                    seen.add(v.dtype)
+                elif isinstance(v, (list, tuple)):
+                    seen.update(t.dtype for t in v if isinstance(t, torch.Tensor))
+        network = self._network() if rounds_to_bf16(func, dtypes, outputs) else None
+        self.ops[(func, frozenset(dtypes | outputs), self.scenario, network)] += 1
+
+    def _network(self) -> str:
+        frame: FrameType | None = sys._getframe(1)  # the recorder's own frames hold no module: passed
+        while frame is not None and self.modules:
+            code = frame.f_code
+            if code in self._functions:
+                return self._functions[code]
+            if code.co_argcount and code.co_varnames[0] == "self":
+                found = self.modules.get(id(frame.f_locals.get("self")))
+                if found is not None:
+                    return network_of(*found)
+            frame = frame.f_back
+        return OUTSIDE
+
+    def recorded_as(self, op: torch._ops.OpOverload, stand_in: Callable[..., Any]) -> Callable[..., Any]:
+        """``stand_in`` (a pure-torch model of a device's ``op``, run on the CPU) recorded as the one op the
+        device runs: the ops inside it run on no device, so they are not recorded."""
+        def call(*args: Any) -> Any:
+            self._inside_stand_in += 1
+            try:
+                out = stand_in(*args)
+            finally:
+                self._inside_stand_in -= 1
+            self._record(op, args, out)
+            return out
+        return call
+
     def named(self) -> Counter:
-        """The record keyed by ``(op name, dtype names, scenario)``."""
+        """The record keyed by ``(op name, dtype names, scenario, bf16 network or None)``."""
         named: Counter = Counter()
-        for (func, dtypes, scenario), count in self.ops.items():
-            named[(func.name(), tuple(sorted(str(d).removeprefix("torch.") for d in dtypes)), scenario)] += count
+        for (func, dtypes, scenario, network), count in self.ops.items():
+            names = tuple(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            named[(func.name(), names, scenario, network)] += count
         return named
 
 
@@ -142,19 +261,26 @@ class OpRow:
 
 @dataclass
 class Audit:
-    """The recorded ops of every run, and what is wrong with them on MPS."""
+    """The recorded ops of every run, and what is wrong with them on MPS. ``bf16``: per run, the calls
+    that rounded to bf16 by network."""
 
     rows: dict[str, OpRow]
     problems: list[str]
+    runs: list[str] = field(default_factory=list)
+    bf16: dict[str, Counter] = field(default_factory=dict)
 
     @classmethod
     def of(cls, runs: dict[str, Counter], native: NativeFunctions | None = None) -> "Audit":
-        """``runs``: per ``"layout/mode"``, an :class:`OpRecorder`'s ``ops``."""
+        """``runs``: per ``"layout/mode"`` (or any name, then no layout's bf16 rule applies), an
+        :class:`OpRecorder`'s ``named()``."""
         native = native or NativeFunctions.read()
         rows: dict[str, OpRow] = {}
         problems = []
+        bf16: dict[str, Counter] = {}
         for run, ops in runs.items():
-            for (op, dtypes, scenario), count in ops.items():
+            layout, _, mode = run.partition("/")
+            allowed = BF16_NETWORKS.get(layout) if mode == "faithful" else None  # None: no rule
+            for (op, dtypes, scenario, network), count in ops.items():
                 row = rows.setdefault(op, OpRow(op, kernel=mps_kernel(native, op)))
                 row.count += count
                 row.dtypes.update(dtypes)
@@ -162,12 +288,17 @@ class Audit:
                 bad = [d for d in dtypes if getattr(torch, d) in UNSUPPORTED_DTYPES]
                 if bad:
                     problems.append(f"{op} takes {', '.join(bad)} in {run} {scenario}: MPS has no such dtype")
-                if "bfloat16" in dtypes and run == "float32/faithful":
+                if "bfloat16" in dtypes and allowed == ():
                     problems.append(f"{op} computes in bfloat16 in {run} {scenario}, which the reference "
                                     "computes in float32 (docs/parity.md)")
+                if network is not None:
+                    bf16.setdefault(run, Counter())[network] += count
+                    if allowed and network not in allowed:
+                        problems.append(f"{op} rounds to bfloat16 in {run} {scenario} (network: {network}), which "
+                                        f"docs/parity.md computes in float32 for the {layout} layout")
         problems += [f"{row.op} has no MPS kernel in the shipped native_functions.yaml (seen in "
                      f"{', '.join(sorted(row.where)[:3])})" for row in rows.values() if row.kernel is None]
-        return cls(rows, sorted(set(problems)))
+        return cls(rows, sorted(set(problems)), list(runs), bf16)
 
 
 # --------------------------------------------------------------------------------------
@@ -202,23 +333,29 @@ def tone(seconds: float) -> Any:
     return (0.3 * np.sin(2 * np.pi * 220 * t) * np.sin(2 * np.pi * 3 * t)).astype(np.float32)
 
 
-def _scenarios(path: Path, dtype: torch.dtype | None) -> Iterable[tuple[str, Callable[[Any], Any]]]:
+def _scenarios(path: Path, dtype: torch.dtype | None, recorder: OpRecorder,
+               int4: bool) -> Iterable[tuple[str, Callable[[], Any]]]:
+    """The runs of one layout and mode; ``int4``: the layout has 4-bit linears int4pack packs."""
     from . import load_model
     from .events import StreamingOptions
 
     wave = tone(0.5)
     model: Any = None
 
-    def load(_):
+    def load(kernel: Any = None) -> None:
         nonlocal model
-        model = load_model(path, device="cpu", dtype=dtype, weights="packed")  # what weights="auto" picks on MPS
+        # weights="packed" is what weights="auto" picks on MPS
+        model = load_model(path, device="cpu", dtype=dtype, weights="packed", prepare=False)
+        recorder.attribute(model)
+        model.prepare(kernel=kernel)
+        recorder.attribute(model)  # prepare swapped modules for fused ones
 
-    def session(_):
+    def session() -> None:
         s = model.create_streaming_session(StreamingOptions(system_prompt="you are helpful", seed=0))
         s.push_audio(wave, 16000)
         s.flush()
 
-    def engine(_):
+    def engine() -> None:
         e = model.create_engine(max_sessions=2)
         rows = [e.open(system_prompt="hi", seed=1), e.open(system_prompt="", deterministic=True)]
         for row in rows:
@@ -226,16 +363,42 @@ def _scenarios(path: Path, dtype: torch.dtype | None) -> Iterable[tuple[str, Cal
         e.step()
         e.step()
 
-    def generate(_):
+    def generate() -> None:
         model.generate(wave, system_prompt="hi", seed=0)
 
-    return [("load+prepare", load), ("prefill+frames", session), ("engine step", engine), ("generate", generate)]
+    def load_for_mps() -> None:
+        # The MPS branch of packing and of the packed matmul, with the MPS kernel's stand-in recorded as
+        # the two ops MPS runs (the stand-in's own ops run on no Apple GPU).
+        from .int4pack import int4_kernel
+
+        stand_in = int4_kernel("mps", stand_in=True)
+        assert stand_in is not None
+        load(dataclasses.replace(
+            stand_in, convert=recorder.recorded_as(torch.ops.aten._convert_weight_to_int4pack.default, stand_in.convert),
+            mm=recorder.recorded_as(torch.ops.aten._weight_int4pack_mm.default, stand_in.mm)))
+
+    scenarios = [("load+prepare", load), ("prefill+frames", session), ("engine step", engine), ("generate", generate)]
+    if int4:
+        scenarios += [("MPS int4pack load+prepare", load_for_mps), ("MPS int4pack prefill+frames", session)]
+    return scenarios
+
+
+def clear_caches() -> None:
+    """Empty the ``functools`` caches of nvchat_torch's modules (``layers.promote``, ``layers.scalar``):
+    each run then dispatches what it does in a fresh process, whatever ran before it in this one, so
+    the test's own audit and the table the script wrote into docs/mps.md can be compared."""
+    for name, module in list(sys.modules.items()):
+        if name == "nvchat_torch" or name.startswith("nvchat_torch."):
+            for value in list(vars(module).values()):
+                if getattr(value, "__module__", None) == name and callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
 
 
 def audit(layouts: Iterable[str] = LAYOUTS, modes: Iterable[str] = tuple(MODES), folder: Path | None = None,
           preset: str = "tiny") -> dict[str, Counter]:
     """Run every scenario for each layout and mode under an :class:`OpRecorder`: per ``"layout/mode"``,
-    the recorded ops (feed them to :meth:`Audit.of`)."""
+    the recorded ops (feed them to :meth:`Audit.of`). Each run starts from cleared caches
+    (:func:`clear_caches`): its record does not depend on what ran before it."""
     if folder is None:
         with tempfile.TemporaryDirectory(prefix="nvchat_torch_audit") as tmp:
             return audit(layouts, modes, Path(tmp), preset)
@@ -243,11 +406,12 @@ def audit(layouts: Iterable[str] = LAYOUTS, modes: Iterable[str] = tuple(MODES),
     for layout in layouts:
         path = audit_checkpoint(layout, Path(folder) / f"{preset}-{layout}", preset)
         for mode in modes:
+            clear_caches()
             recorder = OpRecorder()
-            for scenario, run in _scenarios(path, MODES[mode]):
+            for scenario, run in _scenarios(path, MODES[mode], recorder, int4=layout == "4bit"):
                 recorder.scenario = scenario
                 with recorder:
-                    run(None)
+                    run()
             runs[f"{layout}/{mode}"] = recorder.named()
     return runs
 
@@ -265,6 +429,36 @@ def markdown_table(result: Audit) -> str:
     return "\n".join(lines)
 
 
+def bf16_table(result: Audit) -> str:
+    """Per network, the calls that rounded to bf16 in each faithful run, against :data:`BF16_NETWORKS`."""
+    runs = [run for run in result.runs if run.endswith("/faithful")]
+    networks = list(dict.fromkeys([name for _, name in NETWORKS] + [GEMMA_NORMS, OUTSIDE]))
+    lines = [f"| network | {' | '.join(runs)} |", "|---|" + "---:|" * len(runs)]
+    for network in networks:
+        cells = []
+        for run in runs:
+            count = result.bf16.get(run, Counter())[network]
+            allowed = network in BF16_NETWORKS.get(run.split("/")[0], ())
+            cells.append((f"{count:,}" if count else "-") if allowed else
+                         (f"**{count:,} (docs/parity.md: float32)**" if count else "float32"))
+        lines.append(f"| {network} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def document(runs: dict[str, Counter], result: Audit) -> str:
+    """What ``--write`` puts between the markers of docs/mps.md: a summary, the bf16 table, the op table."""
+    calls = sum(r.count for r in result.rows.values())
+    summary = (f"{len(result.rows)} distinct ATen ops, {calls:,} calls over {len(runs)} runs "
+               f"({', '.join(runs)}; scenarios: load + prepare, prompt prefill and frames, an engine step with "
+               f"a sampling and a deterministic row, offline generate, and for the 4-bit layout load + prepare and "
+               f"frames through the MPS int4pack branch), torch {torch.__version__}. Problems: "
+               + ("; ".join(result.problems) if result.problems else "none") + ".")
+    bf16 = ("Calls that round to bf16 by network, in the faithful mode: ops with a bf16 output, except views, "
+            "exact moves of bf16 values and products with a mask. A network docs/parity.md computes in float32 "
+            "for a layout reads `float32` there, and any call in it is a problem.")
+    return f"{summary}\n\n{bf16}\n\n{bf16_table(result)}\n\n{markdown_table(result)}"
+
+
 def write_between_markers(path: Path, text: str) -> None:
     """Replace what lies between the op-audit markers of ``path`` with ``text``."""
     doc = path.read_text()
@@ -272,6 +466,14 @@ def write_between_markers(path: Path, text: str) -> None:
         raise ValueError(f"{path}: no {BEGIN} ... {END} markers to write the op table between")
     head, rest = doc.split(BEGIN, 1)
     path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def read_between_markers(path: Path) -> str:
+    """What :func:`write_between_markers` wrote into ``path``."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"{path}: no {BEGIN} ... {END} markers around an op table")
+    return doc.split(BEGIN, 1)[1].split(END, 1)[0].removeprefix("\n").removesuffix("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,15 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     runs = audit(args.layouts)
     result = Audit.of(runs)
-    calls = sum(r.count for r in result.rows.values())
-    summary = (f"{len(result.rows)} distinct ATen ops, {calls:,} calls over {len(runs)} runs "
-               f"({', '.join(runs)}; scenarios: load + prepare, prompt prefill and frames, an engine step with "
-               f"a sampling and a deterministic row, offline generate), torch {torch.__version__}. Problems: "
-               + ("; ".join(result.problems) if result.problems else "none") + ".")
-    table = f"{summary}\n\n{markdown_table(result)}"
-    print(table)
+    text = document(runs, result)
+    print(text)
     if args.write:
-        write_between_markers(args.write, table)
+        write_between_markers(args.write, text)
     return 1 if result.problems else 0
 
 

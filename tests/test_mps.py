@@ -4,7 +4,9 @@ fallbacks."""
 
 from __future__ import annotations
 
+import types
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as mnn
@@ -19,7 +21,8 @@ from nvchat_torch.checkpoint import Checkpoint
 from nvchat_torch.config import QuantSpec
 from nvchat_torch.int4pack import (cuda_convert_weight_to_int4pack, cuda_weight_int4pack_mm, int4_kernel,
                                    mps_convert_weight_to_int4pack, mps_weight_int4pack_mm, unpack_int4pack)
-from nvchat_torch.op_audit import LAYOUTS, Audit, NativeFunctions, OpRecorder, audit, markdown_table
+from nvchat_torch.op_audit import (LAYOUTS, Audit, NativeFunctions, OpRecorder, audit, document, markdown_table,
+                                   read_between_markers)
 from nvchat_torch.quant import Int4PackedLinear, QuantizedLinear, pack_int4, self_test_kernel, unpack_codes
 
 
@@ -350,6 +353,31 @@ def test_the_default_device_prefers_mps_then_cuda(monkeypatch):
     assert model_module.default_device() == torch.device("cpu")
 
 
+def test_the_real_device_kernels_dispatch_torchs_ops_with_torchs_shapes(monkeypatch):
+    """``int4_kernel("mps")`` and ``("cuda")``, not their stand-ins: on fake mps/cuda tensors (torch's
+    own meta functions) packing and the matmul dispatch torch's device ops, in the stand-ins' shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    words = mlx_linear(seed=9, out_features=32)[0].weight  # MLX's uint32 words [32, 256 / 8]
+    for device, dtype in (("mps", torch.float32), ("cuda", torch.bfloat16)):
+        kernel, stand_in = int4_kernel(device), int4_kernel(device, stand_in=True)
+        assert not kernel.stand_in and kernel.name == f"aten::_weight_int4pack_mm ({device} layout)"
+        assert kernel.activation_dtypes[0] == dtype and kernel.available()  # every build registers the op
+        with FakeTensorMode(allow_non_fake_inputs=True), OpRecorder() as recorder:
+            packed = kernel.pack(torch.empty(32, 256 // 8, dtype=torch.uint32, device=device), 256)
+            y = kernel.mm(torch.empty(3, 256, dtype=dtype, device=device), packed, 64,
+                          torch.empty(256 // 64, 32, 2, dtype=dtype, device=device))
+        ops = {op for op, *_ in recorder.named()}
+        assert {"aten::_convert_weight_to_int4pack", "aten::_weight_int4pack_mm"} <= ops and "_for_cpu" not in str(ops)
+        want = stand_in.pack(words, 256)  # real codes through the pure-torch model of the kernel
+        assert (packed.device.type, packed.dtype, packed.shape) == (device, torch.int32, want.shape)
+        assert (y.device.type, y.dtype, tuple(y.shape)) == (device, dtype, (3, 32))
+
+    monkeypatch.setattr(torch.ops, "aten", types.SimpleNamespace())  # a build without the int4pack ops
+    assert not int4_kernel("mps").available() and not int4_kernel("cuda").available()
+    assert int4_kernel("mps", stand_in=True).available()  # a stand-in always runs
+
+
 # --------------------------------------------------------------------------------------
 # The op audit
 
@@ -413,10 +441,43 @@ def test_the_audit_flags_an_op_without_an_mps_kernel_and_float64():
     assert "| `mode` | 1 | float32, int64 | frame | **none** |" in table
 
 
+def test_the_audit_checks_bf16_against_the_networks_of_docs_parity():
+    """Modules at the model's real paths: bf16 arithmetic passes per layout only inside the networks
+    docs/parity.md computes in bf16; moves of bf16 values and products with a mask round nothing."""
+    from nvchat_torch.layers import squared_norms
+
+    def computes(forward):  # a module whose call runs ``forward`` (found on the stack as the module's call)
+        module = torch.nn.Module()
+        module.forward = forward
+        return module
+
+    weight = torch.ones(2, dtype=torch.bfloat16)
+    model = torch.nn.Module()
+    model.stt_model, model.tts_model = torch.nn.Module(), torch.nn.Module()
+    model.stt_model.perception = computes(lambda x: x.bfloat16() * 3)  # parity.md: float32 in every layout
+    model.stt_model.rnnt_decoder = computes(lambda x: x.bfloat16() + 1)  # parity.md: bf16 bias sum
+    model.stt_model.llm = computes(lambda x: x.bfloat16() - 1)  # bf16 only in the bf16 card's prompt prefill
+    model.tts_model.tts_model = computes(lambda x: torch.cat([weight, weight]) * (x > 0))  # a move, a mask
+    with OpRecorder(model) as recorder:
+        for network in (*model.stt_model.children(), model.tts_model.tts_model):
+            network(torch.arange(1.0, 5.0))
+        squared_norms(weight[None])  # parity.md's RVQ formula, wherever it is called from
+    ops = recorder.named()
+
+    flagged = {run: {p.split(" (network: ")[1].split(")")[0] for p in Audit.of({run: ops}).problems}
+               for run in ("4bit/faithful", "bf16/faithful", "4bit/fast")}
+    assert flagged == {"4bit/faithful": {"Conformer, projection", "Nemotron-H, both heads"},
+                       "bf16/faithful": {"Conformer, projection"}, "4bit/fast": set()}
+    assert any("computes in bfloat16 in float32/faithful" in p for p in Audit.of({"float32/faithful": ops}).problems)
+    assert set(Audit.of({"4bit/faithful": ops}).bf16["4bit/faithful"]) == {
+        "Conformer, projection", "RNNT prediction", "Nemotron-H, both heads", "RVQ nearest neighbour"}
+
+
 def test_every_op_of_every_layout_and_mode_runs_on_mps(tmp_path):
     """load + prepare, prefill and frames, an engine step (a sampling and a deterministic row) and
-    generate, for the float32, 4-bit and 8-bit card and bf16 layouts, faithful and fast: every op has
-    an MPS kernel, no tensor is float64 or complex, no bf16 where the reference computes in float32."""
+    generate, for the float32, 4-bit and 8-bit card and bf16 layouts, faithful and fast (the 4-bit one
+    also packed and run through the MPS branch): every op has an MPS kernel, no tensor is float64 or
+    complex, bf16 only in the networks docs/parity.md computes in bf16; and docs/mps.md holds this table."""
     runs = audit(folder=tmp_path)
     assert set(runs) == {f"{layout}/{mode}" for layout in LAYOUTS for mode in ("faithful", "fast")}
     result = Audit.of(runs)
@@ -425,10 +486,25 @@ def test_every_op_of_every_layout_and_mode_runs_on_mps(tmp_path):
     # the branches the CPU run stands for: the int4 kernel (4-bit card, both modes), sampling, the RNNT
     assert {"aten::_weight_int4pack_mm_for_cpu", "aten::uniform_", "aten::normal_"} <= seen, sorted(seen)
     assert "MPS branch runs `_weight_int4pack_mm`" in result.rows["aten::_weight_int4pack_mm_for_cpu"].kernel
+    # the MPS packing branch: the stand-in recorded as the two ops MPS runs, the nibble swap before it
+    packing = {f"4bit/{mode} MPS int4pack load+prepare" for mode in ("faithful", "fast")}
+    assert result.rows["aten::bitwise_or.Tensor"].where == packing == result.rows["aten::_convert_weight_to_int4pack"].where
+    mm = result.rows["aten::_weight_int4pack_mm"]
+    assert mm.kernel == "MPS" and mm.dtypes == {"float32", "bfloat16", "int32"} and packing < mm.where
+    # bf16 is found where parity.md puts it (the check above would pass vacuously if nothing were attributed)
+    assert "float32/faithful" not in result.bf16 and result.bf16["bf16/faithful"]["Nemotron-H, both heads"] > 0
+    assert {"character encoder", "codec decoder", "RVQ nearest neighbour"} <= set(result.bf16["4bit/faithful"])
+    doc = Path(__file__).resolve().parents[1] / "docs" / "mps.md"
+    assert read_between_markers(doc) == document(runs, result), (
+        "docs/mps.md's op table is stale: regenerate it with `python -m nvchat_torch.op_audit --write docs/mps.md`")
 
 
 # --------------------------------------------------------------------------------------
 # The doctor
+
+# torch's warning for an op PYTORCH_ENABLE_MPS_FALLBACK=1 runs on the CPU (aten/src/ATen/mps/MPSFallback.mm)
+TORCH_MPS_FALLBACK = ("The operator 'aten::mode' is not currently supported on the MPS backend and will fall back "
+                      "to run on the CPU. This may have performance implications.")
 
 
 def test_the_doctor_reports_on_the_cpu(tmp_path):
@@ -456,23 +532,69 @@ def test_the_doctor_reports_on_the_cpu(tmp_path):
 
 
 def test_the_doctor_shows_each_fallback(q4_card, monkeypatch):
+    """A failed self-test, and an op torch reports as run on the CPU on every call of a 4-bit linear."""
     from nvchat_torch import doctor, quant
 
     monkeypatch.setattr(quant, "_kernel_self_test", lambda packed, source: f"{packed.kernel.op} failed its "
                         "self-test (relative error 0.5 > 0.02)")
+    forward = QuantizedLinear.forward
+    monkeypatch.setattr(QuantizedLinear, "forward", lambda self, x: warnings.warn(TORCH_MPS_FALLBACK) or forward(self, x))
     out = doctor.report("cpu", str(q4_card), frames=6, dtype=torch.bfloat16)
     fell_back = out.split("### What fell back")[1].split("###")[0]
+    assert "- aten::mode ran on the CPU instead of mps: no mps kernel" in fell_back  # named once, not per call
+    assert fell_back.count("aten::mode") == 1
+    assert "fallback: aten::mode ran on the CPU" in out.split("### Model")[1]  # model.describe()
     assert "4-bit linears on cpu (torch.bfloat16 activations): aten::_weight_int4pack_mm_for_cpu failed" in fell_back
     assert "model: aten::_weight_int4pack_mm_for_cpu failed its self-test" in fell_back
     assert "| aten::_weight_int4pack_mm_for_cpu (cpu layout) | bfloat16 | FAILS: " in out
     assert "fallback: aten::_weight_int4pack_mm_for_cpu failed its self-test" in out  # model.describe()
 
 
-def test_the_doctors_memory_reads_each_device(monkeypatch):
-    from nvchat_torch import doctor
+def test_the_doctors_kernel_rows_and_devices_off_the_cpu(monkeypatch):
+    """On mps the doctor self-tests the device's own kernel there (no stand-in rows), or its stand-in on
+    the CPU; a device with no kernel says so; the devices line names what torch finds; peak memory."""
+    from nvchat_torch import doctor, int4pack
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 << 30)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 << 30)
-    assert doctor.peak_memory(torch.device("cuda")) == 3 << 30
-    assert doctor.peak_memory(torch.device("mps")) == 5 << 30
+    assert [doctor.peak_memory(torch.device(d)) for d in ("cuda", "mps")] == [3 << 30, 5 << 30]
     assert doctor.peak_memory(torch.device("cpu")) > 0
+    tested = []
+    monkeypatch.setattr(doctor, "self_test_kernel", lambda k, dtype, device: tested.append((k.name, dtype, str(device))))
+    mps, stand_in = int4_kernel("mps"), int4_kernel("mps", stand_in=True)
+    rows = doctor.kernel_rows(torch.device("mps"))
+    assert tested == [(mps.name, dtype, "mps") for dtype in mps.activation_dtypes]
+    assert rows[:3] == [(mps.name, str(d).removeprefix("torch."), "passes") for d in mps.activation_dtypes]
+    assert [r[0] for r in rows[3:]] == ["dequantize per call (any bit width)"]  # no stand-in rows
+    monkeypatch.undo()
+    monkeypatch.setattr(doctor, "int4_kernel", lambda t, stand_in=False: int4pack.int4_kernel(t, stand_in=t != "cpu"))
+    rows = doctor.kernel_rows(torch.device("mps"))
+    assert rows[:3] == [(stand_in.name, str(d).removeprefix("torch."), "passes") for d in stand_in.activation_dtypes]
+    assert len(rows) == 4 and doctor.kernel_rows(torch.device("xpu"))[0] == (
+        "int4pack on xpu", "-", "no such kernel: 4-bit weights dequantize per call")
+
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"card {i}")
+    for found, cards, want in ((True, 2, "mps: available; cuda: card 0, card 1"),
+                               (False, 0, "mps: built, not available; cuda: not available")):
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: found)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cards > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: cards)
+        assert doctor.devices().endswith(want), doctor.devices()
+
+
+def test_an_op_mps_runs_on_the_cpu_warns_once_and_shows_in_describe(q4_card):
+    model = nv.load_model(q4_card, device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the second run finds the op known already: not warned again
+            with diagnostics.CpuFallbackRecorder(model) as recorder:
+                assert torch.is_warn_always_enabled()  # torch's TORCH_WARN_ONCE then warns for every op
+                for message in [TORCH_MPS_FALLBACK] * 3 + ["something else"] * 2:
+                    warnings.warn(message, UserWarning)
+            assert not torch.is_warn_always_enabled()
+    ours = [str(w.message) for w in caught if issubclass(w.category, diagnostics.CpuFallbackWarning)]
+    assert len(ours) == 1 and ours[0].startswith("aten::mode ran on the CPU instead of mps"), ours
+    assert [str(w.message) for w in caught if w.category is UserWarning] == ["something else"] * 2  # once a run
+    assert list(recorder.ops) == list(model.cpu_fallbacks) == ["aten::mode"]
+    assert "fallback: aten::mode ran on the CPU (no mps kernel" in model.describe()
