@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 __all__ = ["read_wav", "write_wav", "resample", "StreamResampler", "pcm16_decode", "pcm16_encode",
-           "prepare_input", "as_mono_float32"]
+           "g711_decode", "g711_encode", "G711_RATE", "prepare_input", "as_mono_float32"]
 
 
 def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
@@ -80,6 +80,62 @@ def pcm16_decode(data: bytes) -> np.ndarray:
 def pcm16_encode(samples: np.ndarray) -> bytes:
     """Float samples to little-endian 16-bit PCM: ``round(clip(x, -1, 1) * 32767)``."""
     return np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+G711_RATE = 8000  # G.711 (ITU-T) is narrowband telephone audio: 8 kHz, one byte per sample
+
+
+def _g711_tables() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{law: (decode [256] int16, encode [65536] uint8 indexed by int16 + 32768)}`` for G.711
+    μ-law ("pcmu") and A-law ("pcma"), as the ITU reference (Sun's g711.c) computes them:
+    the encoders truncate to the segment's step, the decoders return the step's midpoint."""
+    code = np.arange(256)
+    # μ-law: the byte is inverted; magnitude ((mantissa << 3) + 0x84) << exponent, less the bias 0x84
+    u = ~code & 0xFF
+    t = (((u & 0x0F) << 3) + 0x84) << ((u >> 4) & 7)
+    ulaw = np.where(u & 0x80, 0x84 - t, t - 0x84)
+    # A-law: even bits inverted (0x55); segment 0 is linear, the sign bit set means positive
+    a = code ^ 0x55
+    seg, t = (a >> 4) & 7, (a & 0x0F) << 4
+    t = np.where(seg == 0, t + 8, (t + 0x108) << np.maximum(seg - 1, 0))
+    alaw = np.where(a & 0x80, t, -t)
+    pcm = np.arange(-32768, 32768)
+    # μ-law encode: 14-bit magnitude, clipped, biased, then its segment and 4 mantissa bits
+    mag = np.minimum(np.abs(pcm >> 2), 8159) + (0x84 >> 2)
+    seg = np.searchsorted(np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF]), mag)
+    # (the clipped top, past the last segment, is the largest code: 0x7F before the sign mask)
+    ulaw_code = np.where(seg < 8, (seg << 4) | ((mag >> np.minimum(seg + 1, 8)) & 0x0F), 0x7F) ^ \
+        np.where(pcm >> 2 < 0, 0x7F, 0xFF)
+    # A-law encode: 13-bit magnitude (one's complement for negatives), its segment and mantissa
+    v = pcm >> 3
+    mag = np.where(v >= 0, v, -v - 1)
+    seg = np.searchsorted(np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF]), mag)
+    mantissa = np.where(seg < 2, mag >> 1, mag >> np.maximum(seg, 1)) & 0x0F
+    alaw_code = ((seg << 4) | mantissa) ^ np.where(v >= 0, 0xD5, 0x55)
+    return {"pcmu": (ulaw.astype(np.int16), ulaw_code.astype(np.uint8)),
+            "pcma": (alaw.astype(np.int16), alaw_code.astype(np.uint8))}
+
+
+_G711: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _g711(law: str) -> tuple[np.ndarray, np.ndarray]:
+    if law not in ("pcmu", "pcma"):
+        raise ValueError(f"G.711 law must be 'pcmu' (μ-law) or 'pcma' (A-law), got {law!r}")
+    if not _G711:
+        _G711.update(_g711_tables())
+    return _G711[law]
+
+
+def g711_decode(data: bytes, law: str) -> np.ndarray:
+    """G.711 bytes (``law`` "pcmu": μ-law, "pcma": A-law) to float32: the 16-bit value ``/ 32768``, as pcm16."""
+    return _g711(law)[0][np.frombuffer(data, dtype=np.uint8)].astype(np.float32) / 32768.0
+
+
+def g711_encode(samples: np.ndarray, law: str) -> bytes:
+    """Float samples to G.711 bytes: pcm16's ``round(clip(x, -1, 1) * 32767)``, then the law's code."""
+    pcm = np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int32)
+    return _g711(law)[1][pcm + 32768].tobytes()
 
 
 _OK_DTYPES = ("float32", "float64", "float16", "int16")

@@ -241,7 +241,7 @@ def test_bad_input_gets_an_error_and_the_connection_survives(model, question):
                 (json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
                     "input": {"format": {"type": "audio/pcm", "rate": 44100}}}}}), "unsupported_audio_format"),
                 (json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
-                    "output": {"format": {"type": "audio/pcmu"}}}}}), "unsupported_audio_format"),
+                    "output": {"format": {"type": "audio/pcmu", "rate": 8000}}}}}), "unsupported_audio_format"),
                 (json.dumps({"type": "input_audio_buffer.append",
                              "audio": "A" * (MAX_MESSAGE_BYTES + 4)}), "message_too_large"),
                 (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_empty"),

@@ -40,11 +40,11 @@ the code for the rule that an unknown key anywhere in a ``session.update`` is an
 - ``conversation.item.create``: ``item`` missing or not an object, or of a type GA does not have ->
   ``invalid_value``; GA ``message`` and ``function_call`` items: valid (before the start a message
   joins the prompt, after it the item is recorded with a notice); ``function_call_output`` before
-  any audio -> ``invalid_state``; with a non-string ``call_id`` or
+  any audio: valid (recorded, with a notice); with a non-string ``call_id`` or
   ``output`` -> ``invalid_value``; with a ``call_id`` the model never issued (the tiny model makes no
   calls) -> ``invalid_tool_result``, sent once the worker has run it, still naming this event.
 - ``session.update``: ``session`` missing or not an object, ``session.type`` other than
-  ``"realtime"``, a wrong type in any position (numbers, lists, objects, booleans where strings
+  ``"realtime"`` or ``"transcription"``, a wrong type in any position (numbers, lists, objects, booleans where strings
   are expected and so on), ``null`` where the GA schema does not allow it (everything but
   ``turn_detection``, ``transcription``, ``noise_reduction``, ``prompt``, ``tracing`` and
   ``nvchat.max_streaming_seconds``), falsy non-lists such as ``tools: 0``: ``invalid_value``;
@@ -380,7 +380,7 @@ class Fuzzer:
                 ev["session"] = self.junk(exclude=("dict",))
                 kind = "session not an object"
         elif choice == 1:
-            s["type"] = r.choice(["transcription", "translation", "Realtime", "realtime ", "", 1, [], {}, None, True])
+            s["type"] = r.choice(["translation", "Realtime", "realtime ", "", 1, [], {}, None, True])
             kind = "session.type wrong"
         elif choice == 2:
             key = r.choice(UNKNOWN_SESSION_KEYS + [self.word()])
@@ -718,8 +718,6 @@ class Fuzzer:
                 item[key] = self.junk(exclude=("str",))
             ev["item"] = item
             kind, codes = f"function_call_output with {key} missing or not a string", {"invalid_value"}
-            if not started:
-                codes |= {"invalid_state"}
         else:
             output = r.choice(['{"temperature_c": 21}', "plain text", "", "null", "1e999", json.dumps(self.nested(50))])
             deep = r.random() < 0.03
@@ -730,8 +728,9 @@ class Fuzzer:
                 kind, codes = "function_call_output for an unknown call_id", {"invalid_tool_result"}
                 if deep:
                     kind += " (output: JSON nested deeper than any recursion limit)"
-            else:
-                kind, codes = "function_call_output before any audio", {"invalid_state", "invalid_tool_result"}
+            else:  # recorded with an item_not_heard notice: the model has not started to listen
+                return self.json_case(index, "conversation.item.create valid: function_call_output before any audio",
+                                      ev, False)
         return self.json_case(index, f"conversation.item.create: {kind}", ev, True, codes)
 
     def e_item_ref(self, index, eid, started):

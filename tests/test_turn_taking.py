@@ -375,6 +375,42 @@ def test_a_frame_with_turn_taking_reads_the_host_once(speechy):
     assert ops[False] < ops[True] <= ops[False] + 110, ops
 
 
+def test_an_engine_step_with_turn_taking_reads_the_host_once(make_checkpoint, monkeypatch):
+    """Three rows with NVIDIA's policy and its punctuation bias (a vocabulary with "."), one of them
+    held by forced text ids: each engine step still reads the host once, for all rows together."""
+    model = nv.load_model(make_checkpoint(seed=0), device="cpu")
+    model.config.rnnt_vocabulary[7] = "."  # the tiny vocabulary has no punctuation: a piece is renamed
+    assert punctuation_ids(TurnTakingConfig(), model.config.rnnt_vocabulary)
+    punctuated = []
+    punctuate = TurnTaking.punctuate
+
+    def counted(self, logits, transcript_ids):
+        punctuated.append(logits.shape[0])
+        return punctuate(self, logits, transcript_ids)
+
+    monkeypatch.setattr(TurnTaking, "punctuate", counted)
+    engine = model.create_engine(max_sessions=3)
+    rows = [engine.open(system_prompt=PROMPT, seed=k, deterministic=True, turn_taking=TurnTakingConfig())
+            for k in range(3)]
+    waves = [synth_audio(1.0, seed=k) for k in range(3)]
+
+    def step(k: int) -> dict:
+        for h, wave in zip(rows, waves):
+            h.push_audio(wave[k * FRAME:(k + 1) * FRAME], 16000)
+        return engine.step()
+
+    for k in range(5):
+        step(k)
+    rows[2].force_tokens("text", [WORD] * 4)  # held from the next frame on, for 4 frames
+    for k in range(5, 9):
+        punctuated.clear()
+        with count_host_reads() as reads:
+            stepped = step(k)
+        assert len(stepped) == 3 and sum(reads.values()) == 1, (k, dict(reads))
+        assert punctuated == [3]  # the bias ran, once, for the batch
+        assert rows[2].last_ids[0] == WORD  # the held row emits its forced id
+
+
 def test_a_held_row_keeps_its_forced_ids_and_barge_in_waits(speechy):
     """force_tokens("text", ...) holds the row: its ids pass unchanged and the policy acts after the hold
     (here: the barge-in due at frame 9 comes on the first frame after it)."""

@@ -27,15 +27,15 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from ..audio_io import StreamResampler, pcm16_decode
+from ..audio_io import StreamResampler
 from ..events import StreamingOptions
 from .items import ItemEvents
 from .responses import ResponseEvents, new_id
 from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
 from .ga_schema import show
-from .session_config import (FIXED_AFTER_START, ClientError, SessionConfig, ga_update, is_mlx_update, mlx_update,
-                             turn_taking_config, turn_taking_json)
+from .session_config import (FIXED_AFTER_START, ClientError, SessionConfig, decode_audio, format_json, ga_update,
+                             is_mlx_update, mlx_update, turn_taking_config, turn_taking_json)
 
 __all__ = ["create_app", "listen_socket", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS"]
@@ -418,10 +418,10 @@ class Connection(ItemEvents, ResponseEvents):
                 "model": self.server.model_name,
                 "instructions": self.default_instructions if cfg.instructions is None else cfg.instructions,
                 "output_modalities": ["audio"],
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": cfg.input_rate},
+                "audio": {"input": {"format": format_json(cfg.input_format, cfg.input_rate),
                                     "turn_detection": detection if cfg.turn_taking is not None else None,
                                     "transcription": {"model": "nvchat-rnnt"}},
-                          "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate},
+                          "output": {"format": format_json(cfg.output_format, cfg.output_rate),
                                      "voice": self.server.model.config.speaker}},
                 "tools": cfg.tools, "tool_choice": "auto",
                 "nvchat": {"deterministic": cfg.deterministic, "seed": cfg.seed,
@@ -483,7 +483,8 @@ class Connection(ItemEvents, ResponseEvents):
         # strict: only the canonical encoding (padding where it belongs), as every encoder writes it
         if raw is None or base64.b64encode(raw).decode("ascii") != audio:
             raise ClientError("invalid_base64", "'audio' is not valid base64 (standard alphabet, padded)", "audio")
-        if len(raw) % 2:
+        width = 2 if self.config.input_format == "audio/pcm" else 1  # bytes per sample: pcm16, G.711
+        if len(raw) % width:
             raise ClientError("invalid_audio_length", f"pcm16 audio needs an even number of bytes, got {len(raw)}",
                               "audio")
         if "sample_rate" in event:  # mlx-vlm's field
@@ -499,7 +500,7 @@ class Connection(ItemEvents, ResponseEvents):
         if self.handle is not None:
             # A client sending faster than real time queues audio; past the bound the append is refused
             # (whole, so the stream stays as sent up to it) and the session goes on.
-            incoming = len(raw) // 2 * self.model_rate // self.config.input_rate
+            incoming = len(raw) // width * self.model_rate // self.config.input_rate
             backlog = self.scheduler.backlog_samples(self.handle)
             limit = self.server.max_buffered_samples
             if backlog + incoming > limit:
@@ -512,7 +513,7 @@ class Connection(ItemEvents, ResponseEvents):
                               "that fixes it", "session")
         else:
             self._start()
-        samples = self.in_resampler(pcm16_decode(raw))
+        samples = self.in_resampler(decode_audio(raw, self.config.input_format))
         self.scheduler.push(self.handle, samples)
 
     async def _commit(self, event: dict) -> None:

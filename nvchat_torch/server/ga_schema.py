@@ -2,7 +2,7 @@
 
 Written from the ``openai`` SDK's request types (``openai.types.realtime``:
 ``RealtimeSessionCreateRequestParam`` and the audio input/output, transcription, noise-reduction and
-turn-detection params). :func:`check` raises :class:`ValueError` subclasses naming the path: an
+turn-detection params; the MCP conversation items' ``RealtimeMcp*Param``). :func:`check` raises :class:`ValueError` subclasses naming the path: an
 unknown key (:class:`UnknownKey`) or a value of the wrong kind. Numbers exclude booleans, as JSON does.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["UnknownKey", "Schema", "Obj", "Str", "Num", "Int", "Bool", "Const", "ListOf", "OneOf", "AnyJSON", "check",
-           "PASS_THROUGH", "show"]
+           "PASS_THROUGH", "MCP_ITEMS", "show"]
 
 
 class UnknownKey(ValueError):
@@ -194,4 +194,31 @@ PASS_THROUGH: dict[str, Schema] = {
                               required=("type", "server_label"))]),
     "audio.output.voice": OneOf([Str(), Obj({"id": Str()}, required=("id",))]),
     "audio.output.speed": Num(0.25, 1.5),
+}
+
+# The GA MCP conversation items a client may create (``RealtimeMcp*Param``). This server has no MCP
+# tools: they are recorded, not used (items.py). ``id`` is optional here, as for every item: the
+# server names an item created without one.
+_MCP_ERROR = OneOf([Obj({"type": Str(("protocol_error",)), "code": Int(), "message": Str()},
+                        required=("type", "code", "message")),
+                    Obj({"type": Str(("tool_execution_error",)), "message": Str()}, required=("type", "message")),
+                    Obj({"type": Str(("http_error",)), "code": Int(), "message": Str()},
+                        required=("type", "code", "message"))], nullable=True)
+_ITEM_HEAD = {"id": Str()}
+MCP_ITEMS: dict[str, Obj] = {
+    "mcp_approval_response": Obj({**_ITEM_HEAD, "type": Str(("mcp_approval_response",)), "approval_request_id": Str(),
+                                  "approve": Bool(), "reason": Str(nullable=True)},
+                                 required=("type", "approval_request_id", "approve")),
+    "mcp_list_tools": Obj({**_ITEM_HEAD, "type": Str(("mcp_list_tools",)), "server_label": Str(),
+                           "tools": ListOf(Obj({"input_schema": AnyJSON(), "name": Str(),
+                                                "annotations": AnyJSON(nullable=True),
+                                                "description": Str(nullable=True)},
+                                               required=("input_schema", "name")))},
+                          required=("type", "server_label", "tools")),
+    "mcp_call": Obj({**_ITEM_HEAD, "type": Str(("mcp_call",)), "arguments": Str(), "name": Str(),
+                     "server_label": Str(), "approval_request_id": Str(nullable=True), "error": _MCP_ERROR,
+                     "output": Str(nullable=True)}, required=("type", "arguments", "name", "server_label")),
+    "mcp_approval_request": Obj({**_ITEM_HEAD, "type": Str(("mcp_approval_request",)), "arguments": Str(),
+                                 "name": Str(), "server_label": Str()},
+                                required=("type", "arguments", "name", "server_label")),
 }

@@ -6,7 +6,9 @@ assistant's messages, function calls and their outputs, and what the client crea
 The model is full duplex and hears audio only, so items are mostly a record for the client. What
 the model hears of a client's ``message`` item is decided here and documented in docs/server.md
 ("Conversation items"): before the conversation has started, its text is rendered into the
-prompt; once it runs, the item is recorded and not heard, and an ``nvchat.notice`` says so.
+prompt; once it runs, the item is recorded and not heard, and an ``nvchat.notice`` says so. A
+tool result created before the conversation starts (a framework replaying its history) and GA's
+MCP items (there are no MCP tools here) are valid events too: recorded, with a notice.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from .ga_schema import show
+from .ga_schema import MCP_ITEMS, UnknownKey, check, show
 from .responses import new_id
 from .session_config import ClientError
 
@@ -41,9 +43,18 @@ def _message_text(item: dict) -> str:
 
 
 def _check_item(item: Any) -> dict:
-    """A GA item the client may create (message, function_call, function_call_output), or a ClientError."""
+    """A GA item the client may create (message, function_call, function_call_output, the MCP items),
+    or a ClientError."""
     if not isinstance(item, dict):
         raise ClientError("invalid_value", "conversation.item.create needs an 'item' object", "item")
+    if isinstance(item.get("type"), str) and item["type"] in MCP_ITEMS:
+        try:
+            check(item, MCP_ITEMS[item["type"]], "item")
+        except UnknownKey as e:
+            raise ClientError("unknown_parameter", str(e), e.path) from None
+        except ValueError as e:
+            raise ClientError("invalid_value", str(e), "item") from None
+        return item
     for key in item:
         if key not in ITEM_KEYS:
             raise ClientError("unknown_parameter", f"unknown parameter item.{show(key, 40)[1:-1]}; an item takes "
@@ -77,8 +88,8 @@ def _check_item(item: Any) -> dict:
             if not isinstance(item.get(key, ""), str):
                 raise ClientError("invalid_value", f"item.{key} must be a string", f"item.{key}")
     else:
-        raise ClientError("invalid_value", f"item.type must be message, function_call or function_call_output, "
-                          f"got {show(kind)}", "item.type")
+        raise ClientError("invalid_value", f"item.type must be message, function_call, function_call_output or "
+                          f"one of {', '.join(MCP_ITEMS)}, got {show(kind)}", "item.type")
     return item
 
 
@@ -133,23 +144,30 @@ class ItemEvents:
         item["id"] = item.get("id") or new_id("item")
         if item["id"] in self.items:
             raise ClientError("item_already_exists", f"an item with id {show(item['id'])} already exists", "item.id")
-        if item["type"] == "function_call_output":
-            if self.handle is None:
-                raise ClientError("invalid_state", "no session is running: a tool result answers a call the model "
-                                  "made", "item")
+        notice = None  # why the model does not hear the item, if it does not (a notice, not an error)
+        if item["type"] == "function_call_output" and self.handle is None:
+            # history (a framework replays its context's tool results), not an answer to this model's call
+            notice = ("item_not_heard", "no conversation is running, so this tool result answers no call of the "
+                      "model: it is recorded, and the model does not hear it")
+        elif item["type"] == "function_call_output":
             try:
                 value = json.loads(item["output"])
             except (ValueError, RecursionError):
                 value = item["output"]
             self.scheduler.call(self.handle, "send_tool_result", item["call_id"], value, tag=self.client_event_id)
-        item = {**item, "object": "realtime.item", "status": "completed"}
-        heard = item["type"] != "message" or self._message_heard(item)
+        elif item["type"] in MCP_ITEMS:
+            notice = ("item_not_used", f"this server has no MCP tools: this {item['type']} item is recorded, and "
+                      "the model does not use it")
+        elif item["type"] == "message" and not self._message_heard(item):
+            notice = ("item_not_heard", "the conversation is running and the model hears audio only: this item is "
+                      "recorded, and the model does not hear it")
+        # GA's MCP items have no status; the others are complete as the client gives them
+        item = {**item, "object": "realtime.item"} if item["type"] in MCP_ITEMS else \
+            {**item, "object": "realtime.item", "status": "completed"}
         await self._item_added(item, previous if "previous_item_id" in event else ...)
         await self._item_done(item)
-        if not heard:
-            await self.send({"type": "nvchat.notice", "code": "item_not_heard", "item_id": item["id"],
-                             "message": "the conversation is running and the model hears audio only: this item is "
-                                        "recorded, and the model does not hear it"})
+        if notice is not None:
+            await self.send({"type": "nvchat.notice", "code": notice[0], "item_id": item["id"], "message": notice[1]})
 
     def _message_heard(self, item: dict) -> bool:
         """Before the conversation starts, a message's text joins the prompt (docs/server.md)."""

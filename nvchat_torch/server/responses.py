@@ -16,6 +16,7 @@ import numpy as np
 from ..audio_io import pcm16_encode
 from ..turn_taking import TurnTakingConfig
 from .scheduler import Output
+from .session_config import encode_audio, format_json
 
 __all__ = ["ResponseEvents"]
 
@@ -72,6 +73,8 @@ class ResponseEvents:
             if out.tag == "clear":
                 await self.send({"type": "input_audio_buffer.cleared"})
             elif out.tag == "commit":
+                if self.user_speaking:  # the commit ends the user's speech where the audio ends
+                    await self._speech_stopped(self.frames)
                 await self._open_user_item()
                 await self.send({"type": "input_audio_buffer.committed", "item_id": self.user_item,
                                  "previous_item_id": None})
@@ -85,6 +88,12 @@ class ResponseEvents:
         for event in out.events:  # the policy's turn events first: a barge-in ends the response
             if event.kind == "turn":
                 await self._turn(event)
+        if out.ids is not None and out.ids[0] == self.bos_id and self.user_speaking:
+            # The agent takes the turn on its own BOS while the user's speech is open (no end of
+            # utterance stopped it): that speech ends here, so each speech_started has its
+            # speech_stopped and a later barge-in sends its own speech_started.
+            frame = next((e.frame_index for e in out.events if e.kind == "audio"), self.frames)
+            await self._speech_stopped(frame)
         if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
             self.turn_muted = False  # a turn begins or ends: a cancelled one is over
             self.agent_turn = out.ids[0] == self.bos_id
@@ -122,14 +131,22 @@ class ResponseEvents:
                 await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": max(0, start) * ms,
                                  "item_id": self.user_item})
         elif event.reason in ("end_of_utterance", "first_turn_fallback"):
-            await self._open_user_item()
-            # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands
-            end = frame + 1 - policy.eou_frames if event.reason == "end_of_utterance" else frame
-            await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": max(0, end) * ms,
-                             "item_id": self.user_item})
-            self.user_speaking = False
-            await self._complete_user_item()
+            if self.user_speaking:
+                # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands
+                await self._speech_stopped(frame + 1 - policy.eou_frames if event.reason == "end_of_utterance"
+                                           else frame)
+            else:  # a commit already stopped this speech: a second speech_stopped would pair with nothing
+                await self._complete_user_item()
         # self_play_suppressed: the model's BOS was dropped; nothing a client sees changes
+
+    async def _speech_stopped(self, end_frame: int) -> None:
+        """``input_audio_buffer.speech_stopped`` at ``end_frame``, and the user's item completed."""
+        await self._open_user_item()
+        ms = round(self.frame_samples / self.model_rate * 1000)
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": max(0, end_frame) * ms,
+                         "item_id": self.user_item})
+        self.user_speaking = False
+        await self._complete_user_item()
 
     async def _open_user_item(self) -> None:
         if self.user_item is None:
@@ -188,7 +205,7 @@ class ResponseEvents:
             r = self.response
             await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
                              "output_index": 0, "content_index": 0,
-                             "delta": base64.b64encode(pcm16_encode(samples)).decode("ascii")})
+                             "delta": base64.b64encode(encode_audio(samples, self.config.output_format)).decode()})
 
     async def _complete_user_item(self) -> None:
         if self.user_item is not None:
@@ -203,7 +220,7 @@ class ResponseEvents:
     def _response_object(self, r: dict, status: str, output: list, reason: str = "client_cancelled") -> dict:
         body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
                 "conversation_id": self.session_id, "output_modalities": ["audio"],
-                "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.config.output_rate}}}}
+                "audio": {"output": {"format": format_json(self.config.output_format, self.config.output_rate)}}}
         if status == "cancelled":
             body["status_details"] = {"type": "cancelled", "reason": reason}
         return body

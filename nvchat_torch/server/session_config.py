@@ -11,14 +11,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from ..audio_io import G711_RATE, g711_decode, g711_encode, pcm16_decode, pcm16_encode
 from ..events import StreamingOptions
 from .ga_schema import PASS_THROUGH, UnknownKey, check, show
 
 __all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
-           "OUTPUT_RATES", "ga_update", "mlx_update", "is_mlx_update"]
+           "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "mlx_update", "is_mlx_update", "format_json", "decode_audio",
+           "encode_audio"]
 
 INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
 OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, or sent as it is
+# GA's audio formats: pcm16 at a rate, and G.711 μ-law / A-law (telephony), which are 8 kHz only and
+# are resampled to and from the model's rates like 24 kHz pcm16.
+AUDIO_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 
 # The nvchat extension: key -> accepted types.
 NVCHAT_KEYS: dict[str, tuple[type, ...]] = {"deterministic": (bool,), "seed": (int,),
@@ -33,7 +40,11 @@ GA_SESSION_KEYS = frozenset({"type", "model", "instructions", "output_modalities
                              "tracing", "truncation", "nvchat"})
 GA_AUDIO_KEYS = {"input": frozenset({"format", "noise_reduction", "transcription", "turn_detection"}),
                  "output": frozenset({"format", "voice", "speed"})}
-GA_FORMAT_KEYS = frozenset({"type", "rate"})
+GA_FORMAT_KEYS = {"audio/pcm": frozenset({"type", "rate"}), "audio/pcmu": frozenset({"type"}),
+                  "audio/pcma": frozenset({"type"})}
+# A GA transcription session (openai's RealtimeTranscriptionSessionCreateRequest): its input only.
+GA_TRANSCRIPTION_KEYS = frozenset({"type", "audio", "include", "nvchat"})
+GA_TRANSCRIPTION_AUDIO_KEYS = frozenset({"input"})
 GA_TOOL_KEYS = frozenset({"type", "name", "description", "parameters"})  # a GA function tool
 # mlx-vlm's session.update (mlx_vlm/server/realtime.py reads these), and ours.
 MLX_SESSION_KEYS = frozenset({"model", "system_prompt", "seed", "max_streaming_seconds", "nvchat"})
@@ -53,6 +64,8 @@ class SessionConfig:
     instructions: str | None = None
     input_rate: int = 24000
     output_rate: int = 24000
+    input_format: str = "audio/pcm"  # one of AUDIO_FORMATS
+    output_format: str = "audio/pcm"
     deterministic: bool = False
     seed: int = 0
     max_streaming_seconds: float | None = None
@@ -102,17 +115,44 @@ def _object(value: Any, where: str) -> dict:
     return value
 
 
-def _rate(fmt: Any, allowed: tuple[int, ...], where: str) -> int:
+def _format(fmt: Any, allowed: tuple[int, ...], where: str) -> tuple[str, int]:
+    """A GA audio format as (type, rate): pcm16 at one of ``allowed``, or G.711 at 8 kHz."""
     fmt = _object(fmt, where)
-    _check_keys(fmt, GA_FORMAT_KEYS, where)
-    if fmt.get("type", "audio/pcm") != "audio/pcm":
-        raise ClientError("unsupported_audio_format", f"{where}.type must be 'audio/pcm' (pcm16), got "
-                          f"{show(fmt.get('type'))}", f"{where}.type")
+    kind = fmt.get("type", "audio/pcm")
+    if kind not in AUDIO_FORMATS:
+        raise ClientError("unsupported_audio_format", f"{where}.type must be one of {', '.join(AUDIO_FORMATS)}, got "
+                          f"{show(kind)}", f"{where}.type")
+    if kind != "audio/pcm" and "rate" in fmt:  # not in GA's G.711 formats: the law fixes the rate
+        raise ClientError("unsupported_audio_format", f"{where}: {kind} is 8 kHz and takes no 'rate'",
+                          f"{where}.rate")
+    _check_keys(fmt, GA_FORMAT_KEYS[kind], where)
+    if kind != "audio/pcm":
+        return kind, G711_RATE
     rate = fmt.get("rate", 24000)
     if isinstance(rate, bool) or not isinstance(rate, int) or rate not in allowed:
         raise ClientError("unsupported_audio_format", f"{where}.rate {show(rate)} is not supported; use one of "
                           f"{list(allowed)}", f"{where}.rate")
-    return rate
+    return kind, rate
+
+
+def format_json(kind: str, rate: int) -> dict:
+    """A format as GA shows it: pcm16 with its rate; G.711 by its type alone (always 8 kHz)."""
+    return {"type": kind, "rate": rate} if kind == "audio/pcm" else {"type": kind}
+
+
+def decode_audio(data: bytes, kind: str) -> np.ndarray:
+    """An append's bytes in the format ``kind`` as float32 samples (pcm16: ``int16 / 32768``; G.711
+    decodes to the same 16-bit scale)."""
+    if kind == "audio/pcm":
+        return pcm16_decode(data)
+    return g711_decode(data, kind[len("audio/"):])
+
+
+def encode_audio(samples: np.ndarray, kind: str) -> bytes:
+    """Float samples in the format ``kind`` (pcm16's rounding, then G.711's code for those formats)."""
+    if kind == "audio/pcm":
+        return pcm16_encode(samples)
+    return g711_encode(samples, kind[len("audio/"):])
 
 
 def turn_taking_config(value: Any, where: str = "session.nvchat.turn_taking") -> Any:
@@ -191,11 +231,20 @@ def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> 
     """``config`` with a GA ``session.update``'s ``session`` applied (a new object; ``config`` is kept).
     ``null`` is taken only where the GA schema takes it (``turn_detection``, ``tracing``, ...)."""
     session = _object(session, "session")
-    _check_keys(session, GA_SESSION_KEYS, "session")
-    cfg = dataclasses.replace(config, tools=list(config.tools), accepted=dict(config.accepted))
-    if session.get("type", "realtime") != "realtime":
-        raise ClientError("invalid_value", f"session.type must be 'realtime', got {show(session.get('type'))}",
+    kind = session.get("type", "realtime")
+    if kind not in ("realtime", "transcription"):
+        raise ClientError("invalid_value", f"session.type must be 'realtime' or 'transcription', got {show(kind)}",
                           "session.type")
+    _check_keys(session, GA_TRANSCRIPTION_KEYS if kind == "transcription" else GA_SESSION_KEYS, "session")
+    if kind == "transcription" and "audio" in session:
+        _check_keys(_object(session["audio"], "session.audio"), GA_TRANSCRIPTION_AUDIO_KEYS, "session.audio")
+    cfg = dataclasses.replace(config, tools=list(config.tools), accepted=dict(config.accepted))
+    # A transcription session is taken, and runs as the conversation it is: the model always listens
+    # and speaks, and its transcript of the user is the RNNT's (shown in nvchat.not_applied).
+    if kind == "transcription":
+        cfg.accepted["type"] = kind
+    elif "type" in session:
+        cfg.accepted.pop("type", None)
     if "instructions" in session:
         if not isinstance(session["instructions"], str):
             raise ClientError("invalid_value", "session.instructions must be a string", "session.instructions")
@@ -210,7 +259,9 @@ def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> 
             part = _object(audio[side], where)
             _check_keys(part, GA_AUDIO_KEYS[side], where)
             if "format" in part:
-                setattr(cfg, f"{side}_rate", _rate(part["format"], allowed, f"{where}.format"))
+                fmt, rate = _format(part["format"], allowed, f"{where}.format")
+                setattr(cfg, f"{side}_format", fmt)
+                setattr(cfg, f"{side}_rate", rate)
             for key in sorted(GA_AUDIO_KEYS[side] - {"format"}):
                 if key in part:
                     _pass_through(cfg, f"audio.{side}.{key}", part[key])
@@ -252,7 +303,8 @@ def mlx_update(config: SessionConfig, session: Any, *, input_rate: int, output_r
     if not isinstance(session.get("model", ""), (str, type(None))):
         raise ClientError("invalid_value", "session.model must be a string", "session.model")
     cfg = dataclasses.replace(config, instructions=prompt, seed=seed, max_streaming_seconds=limit,
-                              input_rate=input_rate, output_rate=output_rate)
+                              input_rate=input_rate, output_rate=output_rate, input_format="audio/pcm",
+                              output_format="audio/pcm")
     if "nvchat" in session:  # after mlx-vlm's own keys: nvchat.seed wins over seed
         _nvchat(cfg, session["nvchat"], "session.nvchat")
     return cfg
