@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import mlx.core as mx
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio
+from mlx_oracle import full_size_manifest, synth_audio
 from nvchat_torch.checkpoint import BadWeightsWarning, Checkpoint, CheckpointError
 from nvchat_torch.config import QuantSpec, VoiceChatConfig
 from nvchat_torch.convert import main as convert_main
@@ -180,15 +180,34 @@ def test_quantizer_is_mx_quantize_bit_for_bit(dtype, bits, group):
 # Loading the release, converting it, and the reference on the converted card
 
 
-def test_release_quantized_at_load_matches_the_reference_on_its_converted_card(release, nano, card4, reference):
-    ours = nv.load_model(release, device="cpu", tokenizer=nano, quantize={"bits": 4, "group_size": 64})
-    assert ours.tokenizer.get_vocab() == nv.load_model(card4, device="cpu").tokenizer.get_vocab()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_release_quantized_at_load_matches_the_reference_on_its_converted_card(release, nano, card4, reference, bits,
+                                                                               tmp_path):
+    card = card4
+    if bits != 4:
+        card = tmp_path / f"q{bits}"
+        assert convert_main([str(release), str(card), "--bits", str(bits), "--tokenizer", str(nano)]) == 0
+    ours = nv.load_model(release, device="cpu", tokenizer=nano, quantize={"bits": bits, "group_size": 64})
+    assert ours.tokenizer.get_vocab() == nv.load_model(card, device="cpu").tokenizer.get_vocab()
     wave = synth_audio(2.5)
-    assert_same_stream(run_stream(ours, wave, PROMPT), run_reference_stream(reference(card4), wave, PROMPT))
+    assert_same_stream(run_stream(ours, wave, PROMPT), run_reference_stream(reference(card), wave, PROMPT))
     # Quantized at load is the card, tensor for tensor (in the cards' dtypes), as our loader reads it.
-    direct = nv.load_model(release, device="cpu", tokenizer=nano, quantize={"bits": 4, "group_size": 64},
+    direct = nv.load_model(release, device="cpu", tokenizer=nano, quantize={"bits": bits, "group_size": 64},
                            prepare=False, weights="packed")
-    same_state(direct.state_dict(), nv.load_model(card4, device="cpu", prepare=False, weights="packed").state_dict())
+    same_state(direct.state_dict(), nv.load_model(card, device="cpu", prepare=False, weights="packed").state_dict())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_at_load_takes_the_modules_the_cards_quantize(bits):
+    """The modules ``quantize=`` packs are those mlx-vlm's own quantizer packs on the full-size model
+    (the cards' layout: the LLM and the vocabulary matrices; 123 modules, as the published manifests)."""
+    from nvchat_torch.model import build_model, mlx_community_specs
+
+    manifest = full_size_manifest(f"{bits}bit")
+    want = {key.removesuffix(".scales") for key in manifest if key.endswith(".scales")}
+    specs = mlx_community_specs(build_model(VoiceChatConfig.full_size()), bits)
+    assert set(specs) == want and len(want) == 123
+    assert {(s.bits, s.group_size) for s in specs.values()} == {(bits, 64)}
 
 
 def test_converted_card_is_the_card_mlx_makes(release, card4, reference):
