@@ -215,22 +215,20 @@ class PackedTensors:
 class Checkpoint:
     """An opened checkpoint folder: its config, its shards and where every key lives.
 
-    Shards are memory-mapped by safetensors; :meth:`get` reads one tensor.
+    Shards are never mapped: their headers are read when the folder is opened, and :meth:`get` reads
+    one tensor with positioned reads (``safetensors_file.py``).
     """
 
     layout_name = "mlx-community layout (flat config.json)"
 
     def __init__(self, folder: str | os.PathLike, config: VoiceChatConfig | None = None):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         if config is None:
             self._refuse_release_config()
         self.config = config if config is not None else VoiceChatConfig.from_file(self.folder / "config.json")
         self.audit = WeightAudit(self.folder)
         index = self.folder / "model.safetensors.index.json"
-        self._handles: dict[str, Any] = {}  # safetensors safe_open handles (the headers; slices)
-        self._files: dict[str, SafetensorsFile] = {}  # whole tensors (get)
+        self._files: dict[str, SafetensorsFile] = {}  # each shard's header; its tensors read on demand
         self.key_to_file: dict[str, str] = {}
         if index.exists():
             try:
@@ -251,10 +249,10 @@ class Checkpoint:
         for name in files:
             path = self.folder / name
             try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as e:
+                handle = SafetensorsFile(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
-            self._handles[name] = handle
+            self._files[name] = handle
             keys = set(handle.keys())
             if weight_map is None:
                 for k in keys:
@@ -297,8 +295,6 @@ class Checkpoint:
         if name is None:
             raise CheckpointError(f"{self.folder}: no tensor '{key}' in any shard")
         try:  # positioned reads into the tensor's own memory: no file page stays mapped (safetensors_file.py)
-            if name not in self._files:
-                self._files[name] = SafetensorsFile(self.folder / name)
             return self._files[name].read(key)
         except Exception as e:
             raise CheckpointError(f"{self.folder / name}: cannot read '{key}' (truncated or corrupt?): {e}") from None
@@ -306,13 +302,13 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         name = self.key_to_file[key]
         try:
-            return tuple(self._handles[name].get_slice(key).get_shape())
+            return self._files[name].shape(key)
         except Exception as e:
             raise CheckpointError(f"{self.folder / name}: cannot read '{key}': {e}") from None
 
     def stored_dtype(self, key: str) -> str:
         """The dtype ``key`` is stored in, as safetensors names it (``F32``, ``BF16``, ``U32``...), read from the header."""
-        return self._handles[self.key_to_file[key]].get_slice(key).get_dtype()
+        return self._files[self.key_to_file[key]].dtype_name(key)
 
     # ---- structure
     def layout(self) -> str:
@@ -438,7 +434,6 @@ class Checkpoint:
         self.audit.warn()
 
     def close(self) -> None:
-        self._handles.clear()
         self._files.clear()
 
     def __enter__(self) -> "Checkpoint":

@@ -443,18 +443,15 @@ class ReleaseCheckpoint(Checkpoint):
         return out
 
     def _rows(self, key: str) -> Callable[[int, int], torch.Tensor]:
-        """``rows(start, stop)``: rows of source tensor ``key`` read from the memory map, each piece checked
-        for zeros and non-finite values."""
+        """``rows(start, stop)``: rows of source tensor ``key`` read from the file (positioned reads, never
+        mapped), each piece checked for zeros and non-finite values."""
         file = super().file_of(key)
-        try:
-            piece = self._handles[self.key_to_file[key]].get_slice(key)
-        except Exception as e:
-            raise CheckpointError(f"{file}: cannot read '{key}': {e}") from None
+        source = self._files[self.key_to_file[key]]
 
         def rows(start: int, stop: int) -> torch.Tensor:
             try:
-                t = piece[start:stop]
-            except Exception as e:
+                t = source.read_rows(key, start, stop)
+            except (OSError, ValueError) as e:
                 raise CheckpointError(f"{file}: cannot read '{key}' (truncated or corrupt?): {e}") from None
             self.audit.see(key, t)
             return t

@@ -77,15 +77,38 @@ class SafetensorsFile:
         if out.numel() * out.element_size() != end - start:
             raise ValueError(f"{self.path}: '{key}' is {end - start} bytes, its shape {entry['shape']} and dtype "
                              f"{entry['dtype']} need {out.numel() * out.element_size()}")
+        self._read_into(out, start, key)
+        return out
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key`` (along its first axis), read alone: a 44 GB float32 release is
+        read a few MB at a time, never mapped (a map of the whole file is refused outright where it
+        exceeds memory under Linux's overcommit heuristic)."""
+        entry = self.entries[key]
+        shape = entry["shape"]
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{self.path}: '{key}' of shape {shape} has no rows {start}:{stop}")
+        out = torch.empty([stop - start, *shape[1:]], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+        row_bytes = out.element_size()
+        for size in shape[1:]:
+            row_bytes *= size
+        first, end = entry["data_offsets"]
+        if row_bytes * shape[0] != end - first:
+            raise ValueError(f"{self.path}: '{key}' is {end - first} bytes, its shape {shape} and dtype "
+                             f"{entry['dtype']} need {row_bytes * shape[0]}")
+        self._read_into(out, first + start * row_bytes, key)
+        return out
+
+    def _read_into(self, out: torch.Tensor, offset: int, key: str) -> None:
+        """Fill ``out``'s bytes from the data section at ``offset`` (positioned reads, nothing mapped)."""
         if out.numel() == 0:
-            return out
+            return
         view = out.reshape(-1).view(torch.uint8).numpy().data  # the tensor's bytes, writable
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.data_start + start)
+            f.seek(self.data_start + offset)
             done = 0
             while done < len(view):
                 n = f.readinto(view[done:])
                 if not n:
                     raise ValueError(f"{self.path}: '{key}' ends early ({done} of {len(view)} bytes): truncated?")
                 done += n
-        return out

@@ -407,3 +407,24 @@ def test_release_checkpoint_reads_a_packed_matrix_once(release, nano, monkeypatc
     for leaf in ("biases", "scales", "weight"):
         ckpt.get(f"stt_model.lm_head.{leaf}")
     assert len(calls) == 1
+
+
+def test_the_release_is_read_without_mapping_the_file(release, nano, monkeypatch):
+    """NVIDIA's 44 GB file is never mapped: Linux's overcommit heuristic refuses a map larger than the
+    machine's memory outright ("Cannot allocate memory", seen on a 24 GB machine), so every tensor is
+    read with positioned reads, a chunk of rows at a time."""
+    import mmap
+
+    import safetensors
+    import safetensors.torch
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the release was mapped")
+
+    for module, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"), (safetensors.torch, "safe_open"),
+                         (mmap, "mmap")):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, refused)
+    model = nv.load_model(release, device="cpu", tokenizer=nano, quantize={"bits": 4, "group_size": 64},
+                          weights="packed")
+    assert "4-bit linears" in model.describe()

@@ -65,3 +65,22 @@ def test_a_truncated_file_is_named(stored, tmp_path):
     junk.write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match=r"junk\.safetensors: not a safetensors file"):
         SafetensorsFile(junk)
+
+
+def test_rows_are_read_alone(stored):
+    """``read_rows``: any row range of a tensor, what slicing the whole gives; a range it lacks is named."""
+    path, tensors = stored
+    f = SafetensorsFile(path)
+    theirs = load_file(str(path))
+    for key in ("f32", "u32", "u8", "bool", "empty"):
+        n = tensors[key].shape[0]
+        for start, stop in ((0, n), (1, n), (0, 1), (n // 2, n // 2), (n - 1, n)):
+            if not 0 <= start <= stop <= n:
+                continue
+            got = f.read_rows(key, start, stop)
+            assert got.dtype == theirs[key].dtype and torch.equal(got.view(torch.uint8),
+                                                                  theirs[key][start:stop].view(torch.uint8)), key
+    with pytest.raises(ValueError, match=r"'f32' of shape \[3, 5\] has no rows 2:4"):
+        f.read_rows("f32", 2, 4)
+    with pytest.raises(ValueError, match="has no rows"):
+        f.read_rows("scalar", 0, 1)
