@@ -173,7 +173,7 @@ def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
 
     monkeypatch.setattr(Connection, "send", record)
     log: list = []
-    calls: list = []
+    calls: list = []  # the random model seldom calls the offered tool: what it asks is not asserted
 
     async def get_weather(params):
         calls.append(params.arguments)
@@ -220,7 +220,7 @@ def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
     truncated = [e for e in sent if e["type"] == "conversation.item.truncated"]
     assert truncated and truncated[0]["item_id"] == cancelled[0]["response"]["output"][0]["id"]
     # the user message of the context was created as an item before the audio: it joined the prompt
-    users = [e["item"] for e in sent if e["type"] == "conversation.item.added" and e["item"]["role"] == "user"]
+    users = [e["item"] for e in sent if e["type"] == "conversation.item.added" and e["item"].get("role") == "user"]
     assert users[0]["content"][0] == {"type": "input_text", "text": "Say hello, then answer my questions."}
     assert not [e for e in sent if e["type"] == "nvchat.notice"], sent
     assert [m["role"] for m in context.get_messages()[:2]] == ["system", "user"]
