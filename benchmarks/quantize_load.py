@@ -17,7 +17,7 @@ whose ``prepare()`` transforms scale with it (the TTS, the vocabulary heads) is 
 Phase 2, in a fresh process: ``load_model(folder, device="cpu", tokenizer=..., quantize={"bits": B,
 "group_size": 64}, weights="packed")`` with ``prepare()``, as a user loads it. A thread samples
 ``/proc/self/status`` every 5 ms: RssAnon is what the process owns (the model, temporaries), while
-the release's pages that safetensors maps are page cache (RssFile) and are not counted against it.
+the release is read with positioned reads (never mapped), so its pages are the kernel's page cache.
 The report gives the peak RssAnon of the read (``prepare=False``: reading, quantizing, converting)
 and of the whole load with ``prepare()``, and the model's size after each. The read's overhead over
 the model (the runtime, one chunk being quantized, one tensor being converted) does not grow with the
