@@ -186,6 +186,6 @@ class LogMel(nn.Module):
         y = y.gather(1, mirrored)
         windows = y[:, 1:].unfold(1, self.n_fft, hop)[:, :count]  # [B, count, n_fft]
         spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))
-        mel = spectrum.square().sum(dim=2) @ self.filterbank.T
+        mel = (spectrum * spectrum).sum(dim=2) @ self.filterbank.T  # not .square(): pow dispatches a result_type
         cache.frames = cache.frames + 1
         return torch.log(mel + self.log_guard)

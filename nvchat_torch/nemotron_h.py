@@ -450,7 +450,8 @@ class NemotronHMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        h = torch.relu(self.up_proj(x)).square()
+        h = torch.relu(self.up_proj(x))
+        h = h * h  # relu^2; .square() is pow(h, 2), the same products, but it dispatches a result_type each
         return self.down_proj(h) if residual is None else add_linear(residual, self.down_proj, h)
 
 

@@ -56,6 +56,33 @@ def test_steady_state_frame_reads_the_host_once_and_stays_under_2500_ops(deep_q4
     assert sum(reads.values()) > 2
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampling", "deterministic"])
+def test_a_frame_decides_no_dtype_promotion(deep_q4, deterministic):
+    """Dtypes are settled at load and ``prepare``: a frame dispatches no ``promote_types`` and no
+    ``result_type`` of its own. The only ones left are inside torch's CPU ``rms_norm``, a composite
+    there (pow, mean, rsqrt, mul) and one fused kernel on MPS and CUDA."""
+    from torch.profiler import profile
+
+    model = nv.load_model(deep_q4, device="cpu")
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, deterministic=deterministic))
+    wave = synth_audio(1.2)
+    session.push_audio(wave[:10 * 1280], 16000)
+    with profile() as prof:
+        session.push_audio(wave[10 * 1280:11 * 1280], 16000)
+
+    def inside_rms_norm(event) -> bool:
+        while event is not None:
+            if event.name == "aten::rms_norm":
+                return True
+            event = event.cpu_parent
+        return False
+
+    promotions = [e for e in prof.events() if e.name in ("aten::result_type", "aten::promote_types")]
+    norms = sum(e.name == "aten::rms_norm" for e in prof.events())
+    assert norms > 200 and len(promotions) <= norms  # the profiler saw the frame's norms
+    assert [e.name for e in promotions if not inside_rms_norm(e)] == []
+
+
 def test_deep_model_streams_like_the_reference(deep_q4, reference):
     """The deep preset exercises what the tiny one cannot (56-layer pattern, global TTS layers every 6th)."""
     wave = synth_audio(1.0)
