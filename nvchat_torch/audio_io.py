@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["read_wav", "write_wav", "resample", "StreamResampler", "pcm16_decode", "pcm16_encode",
+__all__ = ["read_wav", "write_wav", "resample", "StreamResampler", "pcm16_decode", "pcm16_encode", "pcm16_values",
            "g711_decode", "g711_encode", "G711_RATE", "prepare_input", "as_mono_float32"]
 
 
@@ -77,9 +77,14 @@ def pcm16_decode(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 
+def pcm16_values(samples: np.ndarray) -> np.ndarray:
+    """Float samples as 16-bit values ``round(clip(x, -1, 1) * 32767)`` (int16; pcm16 and G.711 encode these)."""
+    return np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
 def pcm16_encode(samples: np.ndarray) -> bytes:
-    """Float samples to little-endian 16-bit PCM: ``round(clip(x, -1, 1) * 32767)``."""
-    return np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    """Float samples to little-endian 16-bit PCM (:func:`pcm16_values`)."""
+    return pcm16_values(samples).astype("<i2").tobytes()
 
 
 G711_RATE = 8000  # G.711 (ITU-T) is narrowband telephone audio: 8 kHz, one byte per sample
@@ -133,9 +138,8 @@ def g711_decode(data: bytes, law: str) -> np.ndarray:
 
 
 def g711_encode(samples: np.ndarray, law: str) -> bytes:
-    """Float samples to G.711 bytes: pcm16's ``round(clip(x, -1, 1) * 32767)``, then the law's code."""
-    pcm = np.round(np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int32)
-    return _g711(law)[1][pcm + 32768].tobytes()
+    """Float samples to G.711 bytes: :func:`pcm16_values`, then the law's code."""
+    return _g711(law)[1][pcm16_values(samples).astype(np.int32) + 32768].tobytes()
 
 
 _OK_DTYPES = ("float32", "float64", "float16", "int16")

@@ -196,15 +196,16 @@ class FrameStep:
             raise ValueError("the cache-free diagnostics run one row")
         slot = next((i for i, s in enumerate(self.rows) if s is None), len(self.rows))
         with torch.inference_mode():
-            if not self.rows:  # the first row: its prefilled caches become the step's, no copy made
+            first = not self.rows  # the caches are empty: the new row's are zeros or the timeline's own
+            if first:  # its prefilled caches become the step's, no copy made
                 self._take_caches(timeline)
             if slot == len(self.rows):
                 self._resize(slot + 1)
                 self.rows.append(None)
-            self.rows[slot] = self._adopt(slot, timeline, rnnt_state)
+            self.rows[slot] = self._adopt(slot, timeline, rnnt_state, clear=not first)
             self.set_turn_taking(slot, turn_taking)
-        # The timeline's caches, copied into the row, are freed now; glibc would keep their heap (at full
-        # size ~0.5 GB) for reuse that frames never make.
+        # What the timeline held and the row did not take is freed now; glibc would keep that heap (at
+        # full size ~0.5 GB) for reuse that frames never make.
         return_freed_memory()
         return slot
 
@@ -239,13 +240,12 @@ class FrameStep:
         if not self._turns.active:
             self._turns = None
 
-    def _adopt(self, r: int, timeline: Timeline, rnnt_state: RnntState) -> RowState:
+    def _adopt(self, r: int, timeline: Timeline, rnnt_state: RnntState, clear: bool) -> RowState:
+        """Row ``r`` from the timeline's caches (those :meth:`_take_caches` took are the row's already);
+        ``clear``: zero the slot first (a reused or added row beside others; a first row is fresh)."""
         language, tts = timeline.language_cache, timeline.tts_cache
-        taken = {id(t) for t in tts.keys + tts.values}  # what _take_caches may have made the row's own
-        if language is not None:
-            taken |= {id(getattr(c, name)) for c in language.layers for name in _STATE_NAMES.get(type(c), ())}
-        for ref, axis, per in self._buffers():
-            if id(_get(ref)) not in taken:
+        if clear:
+            for ref, axis, per in self._buffers():
                 _get(ref).narrow(axis, r * per, per).zero_()
         self._rnnt.hc[:, r] = rnnt_state.hc[:, 0]
         self._ids[r] = self.config.pad_token_id

@@ -71,13 +71,9 @@ class SafetensorsFile:
 
     def read(self, key: str) -> torch.Tensor:
         """``key`` as a CPU tensor with its own storage (the file's bytes, little-endian, as stored)."""
-        entry = self.entries[key]
-        start, end = entry["data_offsets"]
-        out = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
-        if out.numel() * out.element_size() != end - start:
-            raise ValueError(f"{self.path}: '{key}' is {end - start} bytes, its shape {entry['shape']} and dtype "
-                             f"{entry['dtype']} need {out.numel() * out.element_size()}")
-        self._read_into(out, start, key)
+        first, _ = self._span(key)
+        out = torch.empty(self.entries[key]["shape"], dtype=SAFETENSORS_DTYPES[self.entries[key]["dtype"]])
+        self._read_into(out, first, key)
         return out
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -88,16 +84,25 @@ class SafetensorsFile:
         shape = entry["shape"]
         if not shape or not 0 <= start <= stop <= shape[0]:
             raise ValueError(f"{self.path}: '{key}' of shape {shape} has no rows {start}:{stop}")
+        first, row_bytes = self._span(key)
         out = torch.empty([stop - start, *shape[1:]], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
-        row_bytes = out.element_size()
-        for size in shape[1:]:
-            row_bytes *= size
-        first, end = entry["data_offsets"]
-        if row_bytes * shape[0] != end - first:
-            raise ValueError(f"{self.path}: '{key}' is {end - first} bytes, its shape {shape} and dtype "
-                             f"{entry['dtype']} need {row_bytes * shape[0]}")
         self._read_into(out, first + start * row_bytes, key)
         return out
+
+    def _span(self, key: str) -> tuple[int, int]:
+        """Where ``key``'s data starts, and the bytes of one row along its first axis (of the whole
+        tensor for a scalar); checks that its shape and dtype fill its stored bytes."""
+        entry = self.entries[key]
+        first, end = entry["data_offsets"]
+        shape = entry["shape"]
+        row_bytes = SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        for size in shape[1:]:
+            row_bytes *= size
+        need = row_bytes * shape[0] if shape else row_bytes
+        if need != end - first:
+            raise ValueError(f"{self.path}: '{key}' is {end - first} bytes, its shape {shape} and dtype "
+                             f"{entry['dtype']} need {need}")
+        return first, row_bytes
 
     def _read_into(self, out: torch.Tensor, offset: int, key: str) -> None:
         """Fill ``out``'s bytes from the data section at ``offset`` (positioned reads, nothing mapped)."""

@@ -119,7 +119,6 @@ class ResponseEvents:
         policy, frame = self.config.turn_taking, event.frame_index
         if policy is None:  # switched off by a session.update while this frame was in flight
             policy = TurnTakingConfig()
-        ms = round(self.frame_samples / self.model_rate * 1000)
         if event.reason in ("user_speech", "barge_in"):
             if event.reason == "barge_in" and self.response is not None:
                 await self._close_response("cancelled", reason="turn_detected")
@@ -128,7 +127,7 @@ class ResponseEvents:
                 self.user_speaking = True
                 # a barge-in is confirmed after barge_in_frames of speech: that is where it began
                 start = frame + 1 - policy.barge_in_frames if event.reason == "barge_in" else frame
-                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": max(0, start) * ms,
+                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._frame_ms(start),
                                  "item_id": self.user_item})
         elif event.reason in ("end_of_utterance", "first_turn_fallback"):
             if self.user_speaking:
@@ -142,11 +141,14 @@ class ResponseEvents:
     async def _speech_stopped(self, end_frame: int) -> None:
         """``input_audio_buffer.speech_stopped`` at ``end_frame``, and the user's item completed."""
         await self._open_user_item()
-        ms = round(self.frame_samples / self.model_rate * 1000)
-        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": max(0, end_frame) * ms,
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._frame_ms(end_frame),
                          "item_id": self.user_item})
         self.user_speaking = False
         await self._complete_user_item()
+
+    def _frame_ms(self, frame: int) -> int:
+        """Where ``frame`` starts in the input audio, in ms (before the stream: 0)."""
+        return max(0, frame) * round(self.frame_samples / self.model_rate * 1000)
 
     async def _open_user_item(self) -> None:
         if self.user_item is None:
