@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import ConformerConfig
-from .layers import Conv1d, Conv2d, LayerNorm, Linear, add_linear, adopt, promoted, swap_modules
+from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, promoted, register_float32,
+                     swap_modules)
 from .layers import linear as promoted_linear
 from .quant import concat_linears
 
@@ -162,7 +164,7 @@ class FusedRelPositionAttention(RelPositionAttention):
         return q_v @ positions.permute(2, 0, 1, 3)
 
 
-class ConvModule(nn.Module):
+class ConvModule(nn.Module, FusedOnCpu):
     """Pointwise conv -> GLU -> causal depthwise conv -> LayerNorm (named ``batch_norm``) -> SiLU -> pointwise."""
 
     def __init__(self, d_model: int, kernel_size: int, bias: bool):
@@ -187,9 +189,32 @@ class ConvModule(nn.Module):
         """One frame per stream ``x [B, 1, d]`` -> ``(residual + conv(x), next state)``. ``state [B, d,
         kernel - 1]`` holds each row's GLU outputs of its last ``kernel - 1`` frames, oldest first (zeros
         before its first): the window is them and this frame's, one cat, whatever frame each row is at."""
+        if self.cpu_kernels and cpu_kernels.usable(x):
+            return self._fused_step(x, state, residual)
         window = torch.cat([state, self._glu(x).transpose(1, 2)], dim=2)
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
         return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window[..., 1:]
+
+    def use_cpu_kernels(self) -> None:
+        """On a float32 CPU model (``prepare()``): GLU, the depthwise conv with its state, the norm and
+        SiLU as one fused kernel, with the small parameters in float32 (:func:`~nvchat_torch.layers.register_float32`)."""
+        register_float32(self, "depthwise_taps", self.depthwise_conv.weight.view(self.depthwise_conv.out_channels,
+                                                                                 self.kernel_size))
+        register_float32(self, "depthwise_bias_f32", self.depthwise_conv.bias)
+        register_float32(self, "norm_weight_f32", self.batch_norm.weight)
+        register_float32(self, "norm_bias_f32", self.batch_norm.bias)
+        self.cpu_kernels = self.batch_norm.bias is not None
+
+    def _fused_step(self, x: torch.Tensor, state: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_step` with the middle fused (a composite step's state is a view: made contiguous)."""
+        if not cpu_kernels.usable(state):
+            state = state.float().contiguous()
+        projected = promoted_linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias)
+        b = x.shape[0]
+        h, state = torch.ops.nvchat_cpu.conv_module_step(projected.view(b, -1), state, self.depthwise_taps,
+                                                  self.depthwise_bias_f32, self.norm_weight_f32,
+                                                  self.norm_bias_f32, self.batch_norm.eps)
+        return add_linear(residual, self.pointwise_conv2, h.view(b, 1, -1), weight=self.pointwise_conv2.weight[..., 0]), state
 
 
 class ConformerLayer(nn.Module):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, cpu_kernels
 from .diagnostics import (CpuFallbackRecorder, CpuFallbackWarning, OpCounter, count_host_reads, device_memory,
                           model_bytes, synchronize)
 from .events import StreamingOptions
@@ -104,6 +104,10 @@ def kernel_rows(device: torch.device) -> list[tuple[str, str, str]]:
                 why = f"the self-test could not run ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             rows.append((kernel.name, str(dtype).removeprefix("torch."), "passes" if why is None else f"FAILS: {why}"))
     rows.append(("dequantize per call (any bit width)", "any", "always available (slower for large models)"))
+    if device.type == "cpu":  # the streaming step's fused kernels (built here on first use)
+        why = cpu_kernels.status()
+        rows.append(("fused CPU step kernels (nvchat_cpu)", "float32",
+                     "passes" if why is None else f"not used: {why} (the composite torch code runs)"))
     return rows
 
 

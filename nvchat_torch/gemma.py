@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import TTSConfig
-from .layers import REDUCED, Linear, OffsetRMSNorm, adopt, gelu_tanh
+from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh
 from .nemotron_h import grown_capacity
 from .quant import fuse_linears
 
@@ -43,8 +44,9 @@ class GatedMLP(nn.Module):
         return self.down_proj(gelu_tanh(gate) * up)
 
 
-class FusedGatedMLP(GatedMLP):
-    """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``)."""
+class FusedGatedMLP(GatedMLP, FusedOnCpu):
+    """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``); fused on a
+    CPU, the gate as one kernel."""
 
     def __init__(self, mlp: GatedMLP):
         adopt(self, mlp)
@@ -52,6 +54,13 @@ class FusedGatedMLP(GatedMLP):
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.gate_up_proj(x).chunk(2, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels and cpu_kernels.usable(gate_up):
+            return self.down_proj(torch.ops.nvchat_cpu.gelu_tanh_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(gelu_tanh(gate) * up)
 
 
 class Rotary(nn.Module):
@@ -219,14 +228,19 @@ class TTSCache:
             held = min(start + n, window)
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
 
+    def row_slots(self, layer: int, rows: "TTSRows") -> tuple[int, torch.Tensor]:
+        """Room for a step of ``rows`` in ``layer``: the slots any row holds after it, and each row's slot
+        (its position, or position % window in a sliding layer)."""
+        window = self.windows[layer]
+        held = rows.end if window is None else min(rows.end, window)
+        self._reserve(layer, held)
+        return held, rows.positions if window is None else rows.ring_slots
+
     def write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                    rows: "TTSRows") -> tuple[torch.Tensor, torch.Tensor]:
         """One position per row ``[R, kv_heads, 1, head_dim]``, each at its own ``rows.positions`` (slot =
         position, or position % window in a sliding layer); returns the slots any row holds."""
-        window = self.windows[layer]
-        held = rows.end if window is None else min(rows.end, window)
-        self._reserve(layer, held)
-        slots = rows.positions if window is None else rows.ring_slots
+        held, slots = self.row_slots(layer, rows)
         self.keys[layer][rows.batch, :, slots] = keys[:, :, 0]
         self.values[layer][rows.batch, :, slots] = values[:, :, 0]
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
@@ -308,7 +322,7 @@ class GemmaAttention(AttentionProjections):
         return self.output(out)
 
 
-class FusedGemmaAttention(FusedQKV, GemmaAttention):
+class FusedGemmaAttention(FusedQKV, GemmaAttention, FusedOnCpu):
     """``prepare()``'s swap for :class:`GemmaAttention`: one QKV matmul, and the q/k norms' ``1 + w``
     per head precomputed for activations of ``dtype``."""
 
@@ -319,6 +333,28 @@ class FusedGemmaAttention(FusedQKV, GemmaAttention):
 
     def qk_norm_weight(self) -> torch.Tensor:
         return self.qk_scale
+
+    def use_cpu_kernels(self) -> None:
+        """On a float32 CPU model (``prepare()``): a streaming step's q/k norms, rotation and cache write
+        as one fused kernel before the attention (row ``r`` of a step is row ``r`` of the cache, as the
+        frame step and :meth:`GemmaBackbone.rows_at` number them)."""
+        self.cpu_kernels = self.qk_scale.dtype == torch.float32
+
+    def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
+                cache: TTSCache | None, layer: int, mask: torch.Tensor | None,
+                rows: TTSRows | None = None) -> torch.Tensor:
+        if not (self.cpu_kernels and rows is not None and len(rope) == 1 and cpu_kernels.usable(x, rope[0])):
+            return super().forward(x, batch, length, rope, cache, layer, mask, rows)
+        held, slots = cache.row_slots(layer, rows)
+        keys, values = cache.keys[layer], cache.values[layer]
+        if not cpu_kernels.usable(keys, values):
+            return super().forward(x, batch, length, rope, cache, layer, mask, rows)
+        q = torch.ops.nvchat_cpu.gemma_qk_step(self.qkv_proj(x), self.qk_scale, rope[0].view(-1, self.head_dim, self.head_dim),
+                                               keys, values, slots, self.q_norm.eps)
+        b = q.shape[0]  # the query heads of a KV head as that many query rows, as GemmaAttention.forward
+        out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), keys[:, :, :held],
+                                             values[:, :, :held], attn_mask=mask, scale=self.scale)
+        return self.output(out.view(b, self.n_heads, 1, self.head_dim))
 
 
 class GemmaLayer(nn.Module):
@@ -338,8 +374,8 @@ class GemmaLayer(nn.Module):
                 cache: TTSCache | None, layer: int, mask: torch.Tensor | None,
                 rows: TTSRows | None = None) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), batch, length, rope, cache, layer, mask, rows)
-        h = x + self.post_attention_layernorm(attn)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = self.post_attention_layernorm.add_to(x, attn)
+        return self.post_feedforward_layernorm.add_to(h, self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class GemmaBackbone(nn.Module):

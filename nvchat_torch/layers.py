@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
-           "adopt", "swap_modules", "add_linear"]
+           "adopt", "swap_modules", "add_linear", "FusedOnCpu", "register_float32"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -232,7 +234,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if weight is None else y * weight
 
 
-class RMSNorm(nn.Module):
+class FusedOnCpu:
+    """A module with a fused CPU step (:mod:`~nvchat_torch.cpu_kernels`): ``prepare()`` calls
+    :meth:`use_cpu_kernels` on a float32 CPU model, and the module then takes its fused op on the
+    activations that op accepts (float32, contiguous CPU tensors), the composite code otherwise."""
+
+    cpu_kernels = False
+
+    def use_cpu_kernels(self) -> None:
+        self.cpu_kernels = True
+
+
+def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """``module.<name>``: ``tensor`` as the fused CPU kernels take it, float32 (a non-persistent buffer;
+    the same tensor if it is float32 already, else an exact upcast of a small bf16 vector, which the
+    composite code promoted on every call against float32 activations)."""
+    module.register_buffer(name, None if tensor is None else tensor.detach().float(), persistent=False)
+
+
+class RMSNorm(nn.Module, FusedOnCpu):
     """``x / rms(x) * weight`` as :func:`rms_norm` (Nemotron-H)."""
 
     def __init__(self, size: int, eps: float):
@@ -240,7 +260,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
+        register_float32(self, "weight_f32", self.weight)
+        self.cpu_kernels = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and cpu_kernels.usable(x):  # float32 activations (a bf16 weight promotes exactly)
+            return torch.ops.nvchat_cpu.rms_norm(x, self.weight_f32, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -269,8 +295,12 @@ class OffsetRMSNorm(nn.Module):
             return F.rms_norm(x.float(), self.weight.shape, weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, weight.to(promoted(x, weight)), self.eps)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` (Gemma's post-norms)."""
+        return residual + self(x)
 
-class PrecomputedOffsetRMSNorm(OffsetRMSNorm):
+
+class PrecomputedOffsetRMSNorm(OffsetRMSNorm, FusedOnCpu):
     """``prepare()``'s swap for :class:`OffsetRMSNorm`: ``1 + weight`` computed once for activations of
     ``dtype``, the same values stored in the dtype they are used in (float32, or in the fast mode's
     bf16 the Gemma norm's own sum)."""
@@ -282,6 +312,19 @@ class PrecomputedOffsetRMSNorm(OffsetRMSNorm):
 
     def offset_weight(self) -> torch.Tensor:
         return self.scale
+
+    def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
+        self.cpu_kernels = self.scale.dtype == torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and cpu_kernels.usable(x):
+            return torch.ops.nvchat_cpu.rms_norm(x, self.scale, self.eps)
+        return super().forward(x)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and cpu_kernels.usable(residual, x):  # one fused kernel
+            return torch.ops.nvchat_cpu.add_rms_norm(residual, x, self.scale, self.eps)
+        return residual + self(x)
 
 
 

@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import TextConfig
-from .layers import REDUCED, Conv1d, Linear, RMSNorm, add_linear, adopt, promote, rms_norm, silu, swap_modules
+from .layers import (REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, promote, register_float32, rms_norm,
+                     silu, swap_modules)
 from .quant import QuantizedLinear, fuse_linears
 
 __all__ = [
@@ -345,8 +347,12 @@ class NemotronHMamba2Mixer(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
         ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`)."""
-        b, L, _ = x.shape
-        projected = self.in_proj(x)
+        y = self.mix(self.in_proj(x), cache)
+        return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
+
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+        """Between the projections: ``in_proj``'s output ``[b, L, .]`` -> ``out_proj``'s input ``[b, L, d_inner]``."""
+        b, L, _ = projected.shape
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
         z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
         xBC = self._conv(xBC, cache)
@@ -369,12 +375,12 @@ class NemotronHMamba2Mixer(nn.Module):
             y = y.to(xs.dtype) + xs * self.D.to(xs.dtype)[:, None]
         else:
             y = torch.addcmul(y.to(xs.dtype), xs, self.D.to(xs.dtype)[:, None])
-        y = self.norm(y.reshape(b, L, self.d_inner), z)
-        return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
+        return self.norm(y.reshape(b, L, self.d_inner), z)
 
 
-class FusedMamba2Mixer(NemotronHMamba2Mixer):
-    """``prepare()``'s swap for :class:`NemotronHMamba2Mixer`: ``A = -exp(A_log)`` computed once."""
+class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
+    """``prepare()``'s swap for :class:`NemotronHMamba2Mixer`: ``A = -exp(A_log)`` computed once, and on
+    a float32 CPU model a streaming step's whole mix as one fused kernel (:mod:`~nvchat_torch.cpu_kernels`)."""
 
     def __init__(self, mixer: NemotronHMamba2Mixer):
         adopt(self, mixer)
@@ -382,6 +388,29 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer):
 
     def decay_rates(self) -> torch.Tensor:
         return self.A
+
+    def use_cpu_kernels(self) -> None:
+        """Take the fused step on float32 activations, with its small parameters in float32 (see
+        :func:`~nvchat_torch.layers.register_float32`); the conv taps as ``[C, K]``."""
+        for name, t in (("conv_taps", self.conv1d.weight.view(self.conv_dim, self.kernel)), ("D_f32", self.D),
+                        ("conv_bias_f32", self.conv1d.bias), ("dt_bias_f32", self.dt_bias), ("norm_weight_f32", self.norm.weight)):
+            register_float32(self, name, t)
+        self.cpu_kernels = True
+
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+        b, L, width = projected.shape
+        if not (self.cpu_kernels and cache is not None and L == 1 and cpu_kernels.usable(projected, cache.ssm_state)
+                and cache.conv_state.dtype == torch.float32):
+            return super().mix(projected, cache)
+        if not cache.conv_state.is_contiguous():  # a batched prefill's state is a view of its window
+            cache.conv_state = cache.conv_state.contiguous()
+        pad = width - (self.d_inner + self.conv_dim + self.num_heads)
+        y, cache.conv_state = torch.ops.nvchat_cpu.mamba_step(projected.view(b, width), cache.conv_state, self.conv_taps,
+                                            self.conv_bias_f32, self.dt_bias_f32, self.A, self.D_f32, self.norm_weight_f32,
+                                            cache.ssm_state, pad, self.n_groups, self.norm.groups, self.norm.eps,
+                                            self.dt_min, self.dt_max)
+        cache.offset += 1
+        return y.view(b, 1, self.d_inner)
 
 
 # --------------------------------------------------------------------------------------
@@ -443,15 +472,19 @@ class FusedNemotronHAttention(NemotronHAttention):
         return self.qkv_proj(x).split((self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d), dim=-1)
 
 
-class NemotronHMLP(nn.Module):
+class NemotronHMLP(nn.Module, FusedOnCpu):  # fused on a CPU: relu^2 as one kernel
     def __init__(self, config: TextConfig):
         super().__init__()
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        h = torch.relu(self.up_proj(x))
-        h = h * h  # relu^2; .square() is pow(h, 2), the same products, but it dispatches a result_type each
+        h = self.up_proj(x)
+        if self.cpu_kernels and cpu_kernels.usable(h):
+            h = torch.ops.nvchat_cpu.relu_square(h)
+        else:
+            h = torch.relu(h)
+            h = h * h  # relu^2; .square() is pow(h, 2), the same products, but it dispatches a result_type each
         return self.down_proj(h) if residual is None else add_linear(residual, self.down_proj, h)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
+from . import cpu_kernels
 from .checkpoint import cast
 from .config import VoiceChatConfig
 from .perception import Perception
@@ -60,6 +61,7 @@ class VoiceChatNetworks(nn.Module):
         self._tts_prompt: TTSPrompt | None = None
         self.source = "random weights"
         self.prepared = False
+        self.fused_cpu: str | None = "not prepared"  # None: the fused CPU kernels run (prepare)
 
     # ---- parts the sessions drive (not registered: their weights live in stt_model)
     @property
@@ -91,14 +93,16 @@ class VoiceChatNetworks(nn.Module):
         self.stt_model.rnnt_decoder.init_constants(device)
         self.tts_model.init_constants(device)
 
-    def prepare(self, int4: bool = True, kernel: Int4Kernel | None = None) -> Self:
+    def prepare(self, int4: bool = True, kernel: Int4Kernel | None = None, fused_cpu: bool | None = None) -> Self:
         """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
         fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul (which replaces
         them: no second copy), stacked codebooks, the RNNT gate table, and 4-bit packed linears on
         torch's int4pack kernel where the device has one that passes its self-test (computing in the
         activation dtype: see :func:`~nvchat_torch.quant.pack_int4`). ``kernel``: the int4pack layout and
         op to pack for (default: the device's, :func:`~nvchat_torch.int4pack.int4_kernel`; its stand-in runs
-        the MPS or CUDA branch on a CPU)."""
+        the MPS or CUDA branch on a CPU). ``fused_cpu`` (default: on a CPU in float32): the streaming step's
+        fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`; built on first use, and skipped, with the
+        reason in :meth:`describe`, where they can't be built or fail their self-test)."""
         return_freed_memory()  # what the load freed: the transforms below then start from what is held
         self.stt_model.perception.fuse()
         swap_modules(self.stt_model, RnntDecoder, FusedRnntDecoder)
@@ -109,6 +113,14 @@ class VoiceChatNetworks(nn.Module):
             del self.stt_model.lm_head, self.stt_model.function_head
         if int4:
             pack_int4(self, dtype=self.dtype, kernel=kernel)
+        if fused_cpu is None:
+            fused_cpu = self.device.type == "cpu" and self.dtype == torch.float32
+        self.fused_cpu = cpu_kernels.status() if fused_cpu else "not asked for"
+        if self.fused_cpu is None:
+            for module in self.modules():  # each module that has a fused step decides on its own tensors
+                enable = getattr(type(module), "use_cpu_kernels", None)
+                if callable(enable):
+                    enable(module)
         return_freed_memory()
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
@@ -192,6 +204,9 @@ class VoiceChatNetworks(nn.Module):
         lines = [f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
                  f"{n / 1e6:.1f} M parameters ({model_bytes(self) / 1e9:.2f} GB as held), {mode}, on {self.device}"]
         lines += [f"  {key}: {count}" for key, count in sorted(paths.items())]
+        fused = sum(1 for m in self.modules() if getattr(m, "cpu_kernels", False))
+        lines.append(f"  fused CPU kernels: {fused} modules" if self.fused_cpu is None else
+                     f"  fused CPU kernels: not used ({self.fused_cpu})")
         # ops the MPS backend ran on the CPU, as diagnostics.CpuFallbackRecorder saw them
         lines += [f"  fallback: {op} ran on the CPU ({cost})"
                   for op, cost in sorted(getattr(self, "cpu_fallbacks", {}).items())]

@@ -347,7 +347,7 @@ def _scenarios(path: Path, dtype: torch.dtype | None, recorder: OpRecorder,
         # weights="packed" is what weights="auto" picks on MPS
         model = load_model(path, device="cpu", dtype=dtype, weights="packed", prepare=False)
         recorder.attribute(model)
-        model.prepare(kernel=kernel)
+        model.prepare(kernel=kernel, fused_cpu=False)  # MPS runs the composite code, not the CPU kernels
         recorder.attribute(model)  # prepare swapped modules for fused ones
 
     def session() -> None:

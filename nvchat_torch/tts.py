@@ -23,10 +23,11 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from . import cpu_kernels
 from .codec import Codec
 from .config import CodecConfig, TTSConfig
 from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache, TTSRows
-from .layers import Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
+from .layers import FusedOnCpu, Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
 from .mog import FusedMoGHead, Generators, MoGHead, draw, sample_component
 from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
                       GatedFusion)
@@ -196,7 +197,6 @@ class EarTTS(nn.Module):
         config = self.config
         b = hidden.shape[0] // 2
         _check_shape("hidden", hidden, (2 * b, 1, config.hidden_size))
-        books, sq_norms = self.codebooks()
         hidden = hidden.view(2 * b, -1)
         decided: torch.Tensor | None = None  # float32 [B, latent]: sum of the chosen codebook rows
         picked: list[torch.Tensor] = []
@@ -210,16 +210,27 @@ class EarTTS(nn.Module):
             if deterministic is not True and config.noise_scale > 0:  # deterministic rows draw 0 (no generator)
                 noise = draw(torch.randn, residual.shape, generator, residual.device)
                 residual = torch.addcmul(residual, std.float(), noise, value=config.noise_scale)
-            last_draw = step == len(self.schedule) - 1
-            for q in range(start, start + count):
-                index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [B]
-                row = books[q].index_select(0, index)
-                picked.append(index)
-                if q + 1 < start + count:
-                    residual = residual - row
-                if not last_draw:
-                    decided = row if decided is None else decided + row
-        return torch.stack(picked, dim=-1).view(b, 1, config.num_quantizers)
+            index, decided = self.assign(residual, start, count, decided, step < len(self.schedule) - 1)
+            picked += index
+        return torch.cat(picked, dim=-1).view(b, 1, config.num_quantizers)
+
+    def assign(self, residual: torch.Tensor, start: int, count: int, decided: torch.Tensor | None,
+               accumulate: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """A draw's greedy assignment of quantizers ``start .. start + count - 1``: each takes the codebook
+        row nearest the residual ``[B, latent]`` (float32), which then loses it. Returns the indices (``[B,
+        n]`` pieces, ``count`` columns in all) and, if ``accumulate``, ``decided`` plus the chosen rows in
+        order (else ``decided``)."""
+        books, sq_norms = self.codebooks()
+        picked = []
+        for q in range(start, start + count):
+            index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [B]
+            row = books[q].index_select(0, index)
+            picked.append(index[:, None])
+            if q + 1 < start + count:
+                residual = residual - row
+            if accumulate:
+                decided = row if decided is None else decided + row
+        return picked, decided
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
              generator: Generators = None, deterministic: bool | torch.Tensor = False,
@@ -230,7 +241,7 @@ class EarTTS(nn.Module):
                                    batched=rows is not None)
 
 
-class FusedEarTTS(EarTTS):
+class FusedEarTTS(EarTTS, FusedOnCpu):
     """``prepare()``'s swap for :class:`EarTTS`: the codebooks kept in float32 with a zero row for the
     mask code appended (``rvq_float [Q, K + 1, latent]``: the depth sum is then a plain gather and
     sum), and their squared norms. ``rvq_embs`` becomes a view of it, so there is one copy: bf16
@@ -250,6 +261,17 @@ class FusedEarTTS(EarTTS):
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rvq_float[:, :-1], self.rvq_sq_norms
+
+    def use_cpu_kernels(self) -> None:  # fused on a CPU: a draw's assignment as one kernel
+        self.cpu_kernels = cpu_kernels.usable(self.rvq_float, self.rvq_sq_norms)
+
+    def assign(self, residual: torch.Tensor, start: int, count: int, decided: torch.Tensor | None,
+               accumulate: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        if not (self.cpu_kernels and cpu_kernels.usable(residual) and (decided is None or cpu_kernels.usable(decided))):
+            return super().assign(residual, start, count, decided, accumulate)
+        index, total = torch.ops.nvchat_cpu.rvq_assign(residual, self.rvq_float, self.rvq_sq_norms, decided,
+                                                       start, count)
+        return [index], total if accumulate else decided
 
 
 # --------------------------------------------------------------------------------------

@@ -64,6 +64,14 @@ def ckpt_q4(make_checkpoint) -> Path:
     return make_checkpoint(seed=0, bits=4)
 
 
+def pytest_sessionstart(session):
+    # Build (or load) the fused CPU kernels once, before any test: a first build takes ~20 s, which a
+    # subprocess test with its own timeout (the CLI, the server) should not have to wait out.
+    from nvchat_torch import cpu_kernels
+
+    cpu_kernels.status()
+
+
 def pytest_runtest_logreport(report):
     if report.skipped:
         _SKIPPED.append(report.nodeid)

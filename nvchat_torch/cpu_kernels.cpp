@@ -1,0 +1,455 @@
+// Fused CPU kernels for the streaming step (float32), loaded by cpu_kernels.py.
+//
+// Each op is one pass over its data, doing what the composite torch code beside its caller does in
+// several ATen kernels, in the same order of float operations where the order is the reference's
+// (sequential sums and updates); reductions (dot products, means) are summed left to right, which
+// differs from ATen's blocked sums in the last bits only. Inputs are checked for device, dtype,
+// contiguity and shape: the Python side only calls an op on what it accepts.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// A sum the compiler may split into vector lanes (-fopenmp-simd: no OpenMP runtime): a different order
+// of float additions than left to right, as ATen's vectorized sums have too.
+#define NVCHAT_SIMD_SUM(var) _Pragma(NVCHAT_STR(omp simd reduction(+ : var)))
+#define NVCHAT_STR(x) #x
+
+void check(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "nvchat_cpu: ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "nvchat_cpu: ", name, " must be contiguous");
+  TORCH_CHECK(t.dim() == dim, "nvchat_cpu: ", name, " must have ", dim, " dims, got ", t.sizes());
+}
+
+void check_size(const at::Tensor& t, const char* name, int64_t axis, int64_t size) {
+  TORCH_CHECK(t.size(axis) == size, "nvchat_cpu: ", name, " has ", t.size(axis), " at dim ", axis,
+              ", expected ", size, " (shape ", t.sizes(), ")");
+}
+
+inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+// torch's softplus (beta 1, threshold 20)
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
+inline float clamp_keep_nan(float v, const c10::optional<double>& lo, const c10::optional<double>& hi) {
+  if (lo.has_value() && v < *lo) return static_cast<float>(*lo);
+  if (hi.has_value() && v > *hi) return static_cast<float>(*hi);
+  return v;
+}
+
+// One token of the Mamba-2 mixer after its input projection, for B rows at once:
+//   projected [B, pad + d_inner + conv_dim + H] = [padding | z | xBC | dt]
+//   xBC <- silu(conv_bias + causal depthwise conv over (conv_state [B, K-1, conv_dim], xBC))
+//   next conv state = its last K-2 rows and this xBC (a new tensor: the caller's stays as it was)
+//   x, B, C = xBC split (d_inner, G*N, G*N); dt <- clamp(softplus(dt + dt_bias))
+//   S <- exp(dt A) S + (dt x) (x) B (in place, ssm_state [B, H, P, N]); y = S C + D x
+//   out = rms_norm per norm group of (silu(z) y), times norm_weight   -> ([B, d_inner], next conv state)
+std::tuple<at::Tensor, at::Tensor> mamba_step(const at::Tensor& projected, const at::Tensor& conv_state, const at::Tensor& conv_weight,
+                      const c10::optional<at::Tensor>& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A,
+                      const at::Tensor& D, const at::Tensor& norm_weight, at::Tensor& ssm_state, int64_t pad,
+                      int64_t groups, int64_t norm_groups, double eps, const c10::optional<double>& dt_min,
+                      const c10::optional<double>& dt_max) {
+  check(projected, "projected", 2);
+  check(conv_state, "conv_state", 3);
+  check(conv_weight, "conv_weight", 2);
+  check(ssm_state, "ssm_state", 4);
+  check(dt_bias, "dt_bias", 1);
+  check(A, "A", 1);
+  check(D, "D", 1);
+  check(norm_weight, "norm_weight", 1);
+  const int64_t Bn = projected.size(0), H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
+  const int64_t d_inner = H * P, gn = groups * N, conv_dim = d_inner + 2 * gn, K = conv_weight.size(1);
+  check_size(projected, "projected", 1, pad + d_inner + conv_dim + H);
+  check_size(conv_state, "conv_state", 0, Bn);
+  check_size(conv_state, "conv_state", 1, K - 1);
+  check_size(conv_state, "conv_state", 2, conv_dim);
+  check_size(conv_weight, "conv_weight", 0, conv_dim);
+  check_size(ssm_state, "ssm_state", 0, Bn);
+  check_size(dt_bias, "dt_bias", 0, H);
+  check_size(A, "A", 0, H);
+  check_size(D, "D", 0, H);
+  check_size(norm_weight, "norm_weight", 0, d_inner);
+  TORCH_CHECK(groups > 0 && H % groups == 0 && norm_groups > 0 && d_inner % norm_groups == 0,
+              "nvchat_cpu: mamba_step groups do not divide the heads / channels");
+  const float* bias = nullptr;
+  if (conv_bias.has_value() && conv_bias->defined()) {
+    check(*conv_bias, "conv_bias", 1);
+    check_size(*conv_bias, "conv_bias", 0, conv_dim);
+    bias = conv_bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({Bn, d_inner}, projected.options());
+  std::vector<float> xbc(Bn * conv_dim);
+  const float* proj = projected.data_ptr<float>();
+  at::Tensor next_state = at::empty(conv_state.sizes(), conv_state.options());
+  const float* state = conv_state.data_ptr<float>();
+  float* next = next_state.data_ptr<float>();
+  const float* w = conv_weight.data_ptr<float>();
+  const int64_t width = projected.size(1);
+  // the convolution, then the shifted state
+  for (int64_t b = 0; b < Bn; ++b) {
+    const float* fresh = proj + b * width + pad + d_inner;
+    const float* st = state + b * (K - 1) * conv_dim;
+    float* nx = next + b * (K - 1) * conv_dim;
+    float* o = xbc.data() + b * conv_dim;
+    for (int64_t c = 0; c < conv_dim; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K - 1; ++k) acc += st[k * conv_dim + c] * w[c * K + k];
+      acc += fresh[c] * w[c * K + K - 1];
+      o[c] = silu(bias ? bias[c] + acc : acc);
+    }
+    if (K > 2) std::copy(st + conv_dim, st + (K - 1) * conv_dim, nx);
+    if (K > 1) std::copy(fresh, fresh + conv_dim, nx + (K - 2) * conv_dim);
+  }
+  // the recurrence, per (row, head)
+  float* S = ssm_state.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const float *dtb = dt_bias.data_ptr<float>(), *a = A.data_ptr<float>(), *d = D.data_ptr<float>();
+  const int64_t per_group = H / groups;
+  at::parallel_for(0, Bn * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, P * N)), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / H, h = i % H, g = h / per_group;
+      const float* x = xbc.data() + b * conv_dim + h * P;
+      const float* Bm = xbc.data() + b * conv_dim + d_inner + g * N;
+      const float* Cm = Bm + gn;
+      float dt = softplus(proj[b * width + pad + d_inner + conv_dim + h] + dtb[h]);
+      dt = clamp_keep_nan(dt, dt_min, dt_max);
+      const float decay = std::exp(dt * a[h]);
+      for (int64_t p = 0; p < P; ++p) {
+        float* s = S + ((b * H + h) * P + p) * N;
+        const float dtx = x[p] * dt;
+        float acc = 0.f;
+        NVCHAT_SIMD_SUM(acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = s[n] * decay + dtx * Bm[n];
+          s[n] = v;
+          acc += v * Cm[n];
+        }
+        y[b * d_inner + h * P + p] = acc + x[p] * d[h];
+      }
+    }
+  });
+  // the gated, grouped RMS norm
+  const float* nw = norm_weight.data_ptr<float>();
+  const int64_t size = d_inner / norm_groups;
+  for (int64_t b = 0; b < Bn; ++b) {
+    const float* z = proj + b * width + pad;
+    float* row = y + b * d_inner;
+    for (int64_t j = 0; j < norm_groups; ++j) {
+      float* v = row + j * size;
+      const float* zg = z + j * size;
+      float sq = 0.f;
+      NVCHAT_SIMD_SUM(sq)
+      for (int64_t i = 0; i < size; ++i) {
+        v[i] = silu(zg[i]) * v[i];
+        sq += v[i] * v[i];
+      }
+      const float r = 1.f / std::sqrt(sq / static_cast<float>(size) + static_cast<float>(eps));
+      for (int64_t i = 0; i < size; ++i) v[i] = v[i] * r * nw[j * size + i];
+    }
+  }
+  return {out, next_state};
+}
+
+// The greedy residual assignment of ``count`` consecutive quantizers from ``start``: per row, each
+// quantizer takes the codebook row nearest the residual (argmin of |c|^2 - 2 r.c, the first on a tie),
+// and the residual loses it. Returns the indices [B, count] and ``decided`` plus the chosen rows in
+// order (or the chosen rows' sum when ``decided`` is None), [B, latent].
+std::tuple<at::Tensor, at::Tensor> rvq_assign(const at::Tensor& residual, const at::Tensor& books,
+                                              const at::Tensor& sq_norms, const c10::optional<at::Tensor>& decided,
+                                              int64_t start, int64_t count) {
+  check(residual, "residual", 2);
+  check(books, "books", 3);
+  check(sq_norms, "sq_norms", 2);
+  const int64_t Bn = residual.size(0), L = residual.size(1), K = sq_norms.size(1), stride = books.size(1);
+  check_size(books, "books", 2, L);
+  TORCH_CHECK(stride >= K && sq_norms.size(0) == books.size(0) && start >= 0 && count > 0 &&
+                  start + count <= books.size(0),
+              "nvchat_cpu: rvq_assign: quantizers ", start, "..", start + count, " of books ", books.sizes(),
+              " and norms ", sq_norms.sizes());
+  at::Tensor index = at::empty({Bn, count}, residual.options().dtype(at::kLong));
+  at::Tensor sum = at::empty({Bn, L}, residual.options());
+  const float* dec = nullptr;
+  if (decided.has_value() && decided->defined()) {
+    check(*decided, "decided", 2);
+    check_size(*decided, "decided", 0, Bn);
+    check_size(*decided, "decided", 1, L);
+    dec = decided->data_ptr<float>();
+  }
+  const float *cb = books.data_ptr<float>(), *norms = sq_norms.data_ptr<float>(), *res = residual.data_ptr<float>();
+  int64_t* idx = index.data_ptr<int64_t>();
+  float* out = sum.data_ptr<float>();
+  std::vector<float> r(L);
+  for (int64_t b = 0; b < Bn; ++b) {
+    std::copy(res + b * L, res + (b + 1) * L, r.begin());
+    float* acc = out + b * L;
+    for (int64_t q = start; q < start + count; ++q) {
+      const float* book = cb + q * stride * L;
+      const float* nq = norms + q * K;
+      int64_t best = 0;
+      float best_d = std::numeric_limits<float>::infinity();
+      bool found = false;
+      for (int64_t k = 0; k < K; ++k) {
+        const float* c = book + k * L;
+        float dot = 0.f;
+        NVCHAT_SIMD_SUM(dot)
+        for (int64_t i = 0; i < L; ++i) dot += r[i] * c[i];
+        const float dist = nq[k] + -2.f * dot;
+        if (!found || dist < best_d || (std::isnan(dist) && !std::isnan(best_d))) {
+          best = k;
+          best_d = dist;
+          found = true;
+        }
+      }
+      idx[b * count + (q - start)] = best;
+      const float* row = book + best * L;
+      if (q == start && dec == nullptr) {
+        std::copy(row, row + L, acc);
+      } else {
+        const float* base = q == start ? dec + b * L : acc;
+        for (int64_t i = 0; i < L; ++i) acc[i] = base[i] + row[i];
+      }
+      if (q + 1 < start + count)
+        for (int64_t i = 0; i < L; ++i) r[i] = r[i] - row[i];
+    }
+  }
+  return {index, sum};
+}
+
+// gelu_tanh(gate) * up for x [..., 2h] = [gate | up] (a fused gate-up projection's output) -> [..., h]
+at::Tensor gelu_tanh_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "nvchat_cpu: gelu_tanh_mul needs an even last dim");
+  check(x, "x", x.dim());
+  const int64_t h = x.size(-1) / 2, rows = x.numel() / (2 * h);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = h;
+  at::Tensor out = at::empty(shape, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = in + r * 2 * h, *u = g + h;
+    for (int64_t i = 0; i < h; ++i) {
+      // 0.5 v (1 + tanh(z)) as v sigmoid(2 z): one exp (libm's tanh costs ~30 ns an element)
+      const float v = g[i];
+      const float gelu = v / (1.f + std::exp(-2.f * (beta * (v + kappa * v * v * v))));
+      o[r * h + i] = gelu * u[i];
+    }
+  }
+  return out;
+}
+
+// relu(x)^2
+at::Tensor relu_square(const at::Tensor& x) {
+  check(x, "x", x.dim());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = in[i] > 0.f ? in[i] : 0.f;
+    o[i] = v * v;
+  }
+  return out;
+}
+
+void rms_rows(const float* x, const float* w, const float* residual, float* o, int64_t rows, int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x + r * d;
+    float sq = 0.f;
+    NVCHAT_SIMD_SUM(sq)
+    for (int64_t i = 0; i < d; ++i) sq += v[i] * v[i];
+    const float s = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
+    float* out = o + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const float n = w ? v[i] * s * w[i] : v[i] * s;
+      out[i] = residual ? residual[r * d + i] + n : n;
+    }
+  }
+}
+
+// x / rms(x) * weight over the last dim (weight optional), and the same added to ``residual``
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
+  check(x, "x", x.dim());
+  const int64_t d = x.size(-1);
+  const float* w = nullptr;
+  if (weight.has_value() && weight->defined()) {
+    check(*weight, "weight", 1);
+    check_size(*weight, "weight", 0, d);
+    w = weight->data_ptr<float>();
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_rows(x.data_ptr<float>(), w, nullptr, out.data_ptr<float>(), x.numel() / d, d, static_cast<float>(eps));
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check(x, "x", x.dim());
+  check(residual, "residual", x.dim());
+  TORCH_CHECK(residual.sizes() == x.sizes(), "nvchat_cpu: add_rms_norm: residual ", residual.sizes(), " vs x ",
+              x.sizes());
+  const int64_t d = x.size(-1);
+  check(weight, "weight", 1);
+  check_size(weight, "weight", 0, d);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_rows(x.data_ptr<float>(), weight.data_ptr<float>(), residual.data_ptr<float>(), out.data_ptr<float>(),
+           x.numel() / d, d, static_cast<float>(eps));
+  return out;
+}
+
+// The Conformer convolution module's middle for one frame per row: glu of the first pointwise conv's
+// output ``projected [B, 2d]``, the causal depthwise conv over (state [B, d, K-1], glu), LayerNorm
+// over the channels, SiLU -> ([B, d], next state: the state's last K-2 columns and the glu, a new tensor).
+std::tuple<at::Tensor, at::Tensor> conv_module_step(const at::Tensor& projected, const at::Tensor& state, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias, const at::Tensor& norm_weight,
+                            const at::Tensor& norm_bias, double eps) {
+  check(projected, "projected", 2);
+  check(state, "state", 3);
+  check(weight, "weight", 2);
+  check(norm_weight, "norm_weight", 1);
+  check(norm_bias, "norm_bias", 1);
+  const int64_t Bn = projected.size(0), d = state.size(1), K = weight.size(1);
+  check_size(projected, "projected", 1, 2 * d);
+  check_size(state, "state", 0, Bn);
+  check_size(state, "state", 2, K - 1);
+  check_size(weight, "weight", 0, d);
+  check_size(norm_weight, "norm_weight", 0, d);
+  check_size(norm_bias, "norm_bias", 0, d);
+  const float* bs = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(*bias, "bias", 1);
+    check_size(*bias, "bias", 0, d);
+    bs = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({Bn, d}, projected.options());
+  const float *in = projected.data_ptr<float>(), *w = weight.data_ptr<float>();
+  const float *lw = norm_weight.data_ptr<float>(), *lb = norm_bias.data_ptr<float>();
+  at::Tensor next_state = at::empty(state.sizes(), state.options());
+  const float* st = state.data_ptr<float>();
+  float *nx = next_state.data_ptr<float>(), *o = out.data_ptr<float>();
+  for (int64_t b = 0; b < Bn; ++b) {
+    float* v = o + b * d;
+    for (int64_t c = 0; c < d; ++c) {
+      const float glu = in[b * 2 * d + c] * sigmoid(in[b * 2 * d + d + c]);
+      const float* s = st + (b * d + c) * (K - 1);
+      float* n = nx + (b * d + c) * (K - 1);
+      float acc = 0.f;
+      for (int64_t k = 0; k < K - 1; ++k) acc += s[k] * w[c * K + k];
+      acc += glu * w[c * K + K - 1];
+      v[c] = bs ? bs[c] + acc : acc;
+      for (int64_t k = 0; k + 1 < K - 1; ++k) n[k] = s[k + 1];
+      if (K > 1) n[K - 2] = glu;
+    }
+    float mean = 0.f;
+    NVCHAT_SIMD_SUM(mean)
+    for (int64_t c = 0; c < d; ++c) mean += v[c];
+    mean /= static_cast<float>(d);
+    float var = 0.f;
+    NVCHAT_SIMD_SUM(var)
+    for (int64_t c = 0; c < d; ++c) var += (v[c] - mean) * (v[c] - mean);
+    const float r = 1.f / std::sqrt(var / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t c = 0; c < d; ++c) v[c] = silu((v[c] - mean) * r * lw[c] + lb[c]);
+  }
+  return {out, next_state};
+}
+
+
+// A Gemma attention step's queries and keys per row, after the fused q|k|v projection
+// ``qkv [R, (Hq + 2 Hkv) d]``: each q and k head RMS-normed (no weight), then ``(n * scale_head) @ M``
+// (the norm's 1 + w per head, ``qk_scale [Hq + Hkv, d]``, and the row's rotation ``M [1 or R, d, d]``);
+// the row's key and value written at its slot of ``keys, values [R, Hkv, S, d]`` (in place). Returns the
+// queries ``[R, Hq, d]``: the attention over the held slots stays torch's SDPA (vectorized for long
+// histories).
+at::Tensor gemma_qk_step(const at::Tensor& qkv, const at::Tensor& qk_scale, const at::Tensor& rotation,
+                         at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, double eps) {
+  check(qkv, "qkv", 2);
+  check(qk_scale, "qk_scale", 2);
+  check(rotation, "rotation", 3);
+  check(keys, "keys", 4);
+  check(values, "values", 4);
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1,
+              "nvchat_cpu: slots must be a 1-D int64 CPU tensor");
+  const int64_t R = qkv.size(0), Hkv = keys.size(1), S = keys.size(2), d = keys.size(3);
+  const int64_t Hq = qk_scale.size(0) - Hkv;
+  TORCH_CHECK(Hq > 0 && Hq % Hkv == 0, "nvchat_cpu: gemma_qk_step: ", Hq, " query heads for ", Hkv,
+              " key/value heads");
+  check_size(qkv, "qkv", 1, (Hq + 2 * Hkv) * d);
+  check_size(qk_scale, "qk_scale", 1, d);
+  check_size(rotation, "rotation", 1, d);
+  check_size(rotation, "rotation", 2, d);
+  TORCH_CHECK(rotation.size(0) == 1 || rotation.size(0) == R, "nvchat_cpu: rotation rows ", rotation.size(0));
+  check_size(keys, "keys", 0, R);
+  TORCH_CHECK(values.sizes() == keys.sizes(), "nvchat_cpu: values ", values.sizes(), " vs keys ", keys.sizes());
+  check_size(slots, "slots", 0, R);
+  const int64_t heads = Hq + Hkv, width = (Hq + 2 * Hkv) * d;
+  at::Tensor out = at::empty({R, Hq, d}, qkv.options());
+  const float *in = qkv.data_ptr<float>(), *sc = qk_scale.data_ptr<float>(), *rot = rotation.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float *K = keys.data_ptr<float>(), *V = values.data_ptr<float>(), *o = out.data_ptr<float>();
+  std::vector<float> qk(heads * d), normed(d);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* M = rot + (rotation.size(0) == 1 ? 0 : r * d * d);
+    const int64_t at_slot = slot[r];
+    TORCH_CHECK(at_slot >= 0 && at_slot < S, "nvchat_cpu: slot ", at_slot, " of ", S);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* v = in + r * width + h * d;
+      float sq = 0.f;
+      NVCHAT_SIMD_SUM(sq)
+      for (int64_t i = 0; i < d; ++i) sq += v[i] * v[i];
+      const float s = 1.f / std::sqrt(sq / static_cast<float>(d) + static_cast<float>(eps));
+      for (int64_t i = 0; i < d; ++i) normed[i] = v[i] * s;
+      float* dst = qk.data() + h * d;
+      std::fill(dst, dst + d, 0.f);
+      for (int64_t i = 0; i < d; ++i) {
+        const float n = normed[i], w = sc[h * d + i];
+        const float* Mi = M + i * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] += n * (w * Mi[j]);
+      }
+    }
+    std::copy(qk.data(), qk.data() + Hq * d, o + r * Hq * d);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t base = ((r * Hkv + g) * S + at_slot) * d;
+      std::copy(qk.data() + (Hq + g) * d, qk.data() + (Hq + g + 1) * d, K + base);
+      const float* v = in + r * width + (Hq + Hkv + g) * d;
+      std::copy(v, v + d, V + base);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nvchat_cpu, m) {
+  m.def("mamba_step(Tensor projected, Tensor conv_state, Tensor conv_weight, Tensor? conv_bias, Tensor dt_bias, "
+        "Tensor A, Tensor D, Tensor norm_weight, Tensor(a!) ssm_state, int pad, int groups, int norm_groups, "
+        "float eps, float? dt_min, float? dt_max) -> (Tensor, Tensor)");
+  m.def("rvq_assign(Tensor residual, Tensor books, Tensor sq_norms, Tensor? decided, int start, int count) "
+        "-> (Tensor, Tensor)");
+  m.def("gelu_tanh_mul(Tensor x) -> Tensor");
+  m.def("relu_square(Tensor x) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gemma_qk_step(Tensor qkv, Tensor qk_scale, Tensor rotation, Tensor(a!) keys, Tensor(b!) values, "
+        "Tensor slots, float eps) -> Tensor");
+  m.def("conv_module_step(Tensor projected, Tensor state, Tensor weight, Tensor? bias, Tensor norm_weight, "
+        "Tensor norm_bias, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(nvchat_cpu, CPU, m) {
+  m.impl("mamba_step", &mamba_step);
+  m.impl("rvq_assign", &rvq_assign);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  m.impl("relu_square", &relu_square);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("conv_module_step", &conv_module_step);
+  m.impl("gemma_qk_step", &gemma_qk_step);
+}

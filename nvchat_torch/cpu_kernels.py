@@ -1,0 +1,203 @@
+"""Fused CPU kernels for the float32 streaming step: one kernel where the composite torch code
+launches several (``cpu_kernels.cpp``, registered as ``torch.ops.nvchat_cpu.*``).
+
+A batch-1 frame on a CPU is bound by per-op dispatch (docs/performance.md): the Mamba step's
+elementwise tail, the RVQ search, the Conformer convolution module's middle and the Gemma MLP's
+gate are each a chain of small ATen kernels that the MLX reference runs as fused or compiled
+kernels. These ops are those chains as single C++ loops:
+
+* ``mamba_step``: conv window + SiLU, the state shift, softplus/decay, the SSM update and readout,
+  the D skip and the gated grouped RMS norm (15 kernels per Mamba layer -> 1);
+* ``rvq_assign``: a MoG draw's greedy codebook assignment (4 kernels per quantizer -> 1 per draw);
+* ``conv_module_step``: GLU, the causal depthwise conv with its state, LayerNorm, SiLU (5 -> 1);
+* ``gelu_tanh_mul``, ``relu_square``, ``add_rms_norm`` (2 -> 1 each) and ``rms_norm`` (torch's CPU
+  ``rms_norm`` is a composite of 13 sub-ops; one pass here).
+
+They are built from the package's C++ source with torch's extension builder the first time a CPU
+model is prepared (about 20 s; cached under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``, and rebuilt only when the source or torch changes), then
+self-tested against the composite code. Without a C++ compiler or ninja, if the build or the
+self-test fails, or with ``NVCHAT_CPU_KERNELS=0``, the composite code runs instead: the same
+results within float rounding, more kernels (:func:`status` says which, and why; so do
+``model.describe()`` and the doctor). Only float32 CPU tensors take these ops: MPS, CUDA and the
+bf16 fast mode keep the composite code, whose ops those backends run natively.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ENV", "available", "status", "usable"]
+
+ENV = "NVCHAT_CPU_KERNELS"  # "0": never build or use the fused CPU kernels
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# -fopenmp-simd: the sums' "omp simd" pragmas only (no OpenMP runtime); no -march: the build runs on
+# any CPU of its architecture (the cache folder is per machine type, not per CPU model)
+_CFLAGS = ["-O3", "-fopenmp-simd"]
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these activations: float32, CPU, contiguous (a frame's are)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def available() -> bool:
+    """Whether ``torch.ops.nvchat_cpu`` is built, loaded and passed its self-test (built on first call)."""
+    return status() is None
+
+
+_UNKNOWN = "not yet built"
+_status: str | None = _UNKNOWN
+
+
+def status() -> str | None:
+    """None when the fused CPU kernels are usable, else why not (one line). The first call builds them
+    (then loads the cached build) and self-tests them; later calls return what it found."""
+    global _status
+    if _status is _UNKNOWN:
+        _status = _build()
+    return _status
+
+
+def build_directory() -> Path:
+    """Where the build lives: one folder per source, torch and Python version and machine, under
+    ``TORCH_EXTENSIONS_DIR`` (torch's variable; default ``~/.cache/torch_extensions``)."""
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    key.update(f"{_CFLAGS} {torch.__version__} {sys.version_info[:2]} {platform.machine()} {platform.system()}".encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"nvchat_cpu_kernels-{key.hexdigest()[:16]}"
+
+
+def _build() -> str | None:
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"disabled ({ENV}=0)"
+    folder = build_directory()
+    built = folder / "nvchat_cpu_kernels.so"
+    if built.exists():  # built before: load it (no compiler, no ninja, no import of torch's builder)
+        try:
+            torch.ops.load_library(str(built))
+        except OSError as e:
+            return f"the cached build {built} does not load ({e})"
+    else:
+        reason = _compile(folder)
+        if reason is not None:
+            return reason
+    problem = _self_test()
+    if problem is not None:
+        warnings.warn(f"nvchat_torch: the fused CPU kernels failed their self-test ({problem}); the composite "
+                      f"code runs instead", RuntimeWarning, stacklevel=2)
+        return f"self-test failed: {problem}"
+    return None
+
+
+def _compile(folder: Path) -> str | None:
+    """Build the extension into ``folder`` with torch's builder (and load it); None, or why not."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the ninja wheel (a dependency) puts it beside this Python
+        try:
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        except (ImportError, AttributeError):
+            pass
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name="nvchat_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as e:  # a compiler error: report it, run the composite code
+        reason = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+        warnings.warn(f"nvchat_torch: the fused CPU kernels are not used ({reason})", RuntimeWarning, stacklevel=3)
+        return reason
+    return None
+
+
+def _self_test() -> str | None:
+    """Each op against the composite torch code it replaces, on random inputs; the first mismatch."""
+    ops = torch.ops.nvchat_cpu
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    def close(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> str | None:
+        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5):
+            return f"{name} differs from the composite code by {float((ours - theirs).abs().max()):.3g}"
+        return None
+
+    with torch.inference_mode():
+        x, w, res = rand(3, 24), rand(24), rand(3, 24)
+        checks = [("relu_square", ops.relu_square(x), torch.relu(x) * torch.relu(x)),
+                  ("rms_norm", ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (24,), w, 1e-6)),
+                  ("add_rms_norm", ops.add_rms_norm(res, x, w, 1e-6), res + F.rms_norm(x, (24,), w, 1e-6)),
+                  ("gelu_tanh_mul", ops.gelu_tanh_mul(x), F.gelu(x[:, :12], approximate="tanh") * x[:, 12:])]
+        # the Conformer convolution module's middle: 2 rows, 8 channels, kernel 4
+        proj, state, cw, cb, lw, lb = rand(2, 16), rand(2, 8, 3), rand(8, 4), rand(8), rand(8), rand(8)
+        window = torch.cat([state, F.glu(proj, -1)[:, :, None]], 2)
+        want = F.silu(F.layer_norm((window * cw).sum(-1) + cb, (8,), lw, lb, 1e-5))
+        out, next_state = ops.conv_module_step(proj, state, cw, cb, lw, lb, 1e-5)
+        checks += [("conv_module_step", out, want), ("conv_module_step state", next_state, window[..., 1:])]
+        # a Mamba step: 2 rows, 4 heads of 2 channels, 2 groups of state 3, kernel 4, padding 2
+        H, P, G, N, K, pad = 4, 2, 2, 3, 4, 2
+        conv_dim = H * P + 2 * G * N
+        proj = rand(2, pad + H * P + conv_dim + H)
+        conv_state, ssm = rand(2, K - 1, conv_dim), rand(2, H, P, N)
+        cw, cb, dtb, A, D, nw = rand(conv_dim, K), rand(conv_dim), rand(H), -rand(H).abs(), rand(H), rand(H * P)
+        z, xbc, dt = proj[:, pad:].split((H * P, conv_dim, H), -1)
+        window = torch.cat([conv_state, xbc[:, None]], 1)
+        xbc = F.silu((window * cw.t()).sum(1) + cb)
+        xs, Bm, Cm = xbc.split((H * P, G * N, G * N), -1)
+        dt = F.softplus(dt + dtb)
+        Bh, Ch = Bm.view(2, G, 1, N).repeat_interleave(H // G, 1), Cm.view(2, G, 1, N).repeat_interleave(H // G, 1)
+        new_ssm = ssm * torch.exp(dt * A)[..., None, None] + (xs.view(2, H, P) * dt[..., None])[..., None] * Bh
+        y = (new_ssm * Ch).sum(-1) + xs.view(2, H, P) * D[:, None]
+        y = (F.silu(z) * y.reshape(2, -1)).view(2, 2, -1)
+        want = F.rms_norm(y, (y.shape[-1],), None, 1e-5).flatten(1) * nw
+        ours, next_state = ops.mamba_step(proj, conv_state, cw, cb, dtb, A, D, nw, ssm, pad, G, 2, 1e-5, None, None)
+        checks += [("mamba_step", ours, want), ("mamba_step ssm_state", ssm, new_ssm),
+                   ("mamba_step conv_state", next_state, window[:, 1:])]
+        # the RVQ assignment: 2 rows, quantizers 1..3 of 4, 16 entries of 5 (a padded book row)
+        books, r, decided = rand(4, 17, 5), rand(2, 5), rand(2, 5)
+        norms = (books[:, :16] ** 2).sum(-1)
+        index, total = ops.rvq_assign(r, books, norms, decided, 1, 3)
+        want_index, want_total, left = [], decided.clone(), r.clone()
+        for q in range(1, 4):
+            i = torch.addmm(norms[q], left, books[q, :16].T, alpha=-2.0).argmin(-1)
+            want_index.append(i)
+            left, want_total = left - books[q, i], want_total + books[q, i]
+        if not torch.equal(index, torch.stack(want_index, -1)):
+            return "rvq_assign chose other codebook rows than the composite code"
+        checks.append(("rvq_assign", total, want_total))
+        # a Gemma attention step's q/k: 2 rows, 2 query heads per KV head, 2 KV heads, head 4, 6 slots
+        Hq, Hkv, d, S = 4, 2, 4, 6
+        qkv, qk_scale, rotation = rand(2, (Hq + 2 * Hkv) * d), rand(Hq + Hkv, d), rand(2, d, d)
+        keys, values, slots = rand(2, Hkv, S, d), rand(2, Hkv, S, d), torch.tensor([4, 2])
+        qk = F.rms_norm(qkv[:, :(Hq + Hkv) * d].view(2, Hq + Hkv, d), (d,), None, 1e-6)
+        qk = (qk.unsqueeze(-2) @ (qk_scale[:, :, None] * rotation[:, None])).squeeze(-2)
+        want_keys, want_values = keys.clone(), values.clone()
+        want_keys[torch.arange(2), :, slots] = qk[:, Hq:]
+        want_values[torch.arange(2), :, slots] = qkv[:, (Hq + Hkv) * d:].view(2, Hkv, d)
+        ours = ops.gemma_qk_step(qkv, qk_scale, rotation, keys, values, slots, 1e-6)
+        checks += [("gemma_qk_step", ours, qk[:, :Hq]), ("gemma_qk_step keys", keys, want_keys),
+                   ("gemma_qk_step values", values, want_values)]
+    for name, ours, theirs in checks:
+        problem = close(name, ours, theirs)
+        if problem is not None:
+            return problem
+    return None

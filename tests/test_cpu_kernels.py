@@ -1,0 +1,144 @@
+"""The fused CPU kernels (nvchat_torch/cpu_kernels.cpp): built, self-tested, equal to the composite
+code they replace on every output a session gives, and a model without them still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nvchat_torch as nv
+from mlx_oracle import synth_audio
+from nvchat_torch import cpu_kernels
+from nvchat_torch.diagnostics import OpCounter
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "you are a helpful assistant"
+
+
+@pytest.fixture(scope="module")
+def deep_q4(make_checkpoint):
+    return make_checkpoint(seed=0, bits=4, preset="deep")
+
+
+def test_the_kernels_build_and_pass_their_self_test():
+    # CI has a C++ compiler (.ci/run installs one): the default CPU path must be the fused one there
+    assert cpu_kernels.status() is None
+    assert cpu_kernels._self_test() is None
+
+
+def frames_of(model, wave: np.ndarray, deterministic: bool, seed: int = 0) -> tuple[list, int]:
+    """Every event of a session over ``wave`` (80 ms pushes), and the ops of its 11th frame."""
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, seed=seed,
+                                                                 deterministic=deterministic))
+    events, ops = [], 0
+    for i in range(0, len(wave) - 1279, 1280):
+        if i == 10 * 1280:
+            with OpCounter() as counter:
+                events += session.push_audio(wave[i:i + 1280], 16000)
+            ops = counter.non_view
+        else:
+            events += session.push_audio(wave[i:i + 1280], 16000)
+    return events + session.flush(), ops
+
+
+def outputs(events) -> dict:
+    audio = [e for e in events if e.kind == "audio"]
+    return {"codes": np.stack([e.audio_codes for e in audio]),
+            "audio": np.concatenate([e.samples for e in audio]),
+            "text": [(e.kind, e.frame_index, getattr(e, "delta", None)) for e in events if e.kind != "audio"]}
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "sampling"])
+def test_the_fused_step_gives_what_the_composite_code_gives(deep_q4, deterministic):
+    """The deep preset (every layer kind at its real depth) with and without the kernels: the same text,
+    function and transcript events frame by frame, the same 31 codes per frame, audio within float
+    rounding; the fused frame launches far fewer kernels."""
+    fused = nv.load_model(deep_q4, device="cpu")
+    composite = nv.load_model(deep_q4, device="cpu", prepare=False).prepare(fused_cpu=False)
+    assert fused.fused_cpu is None and composite.fused_cpu == "not asked for"
+    assert "fused CPU kernels: not used (not asked for)" in composite.describe()
+    wave = synth_audio(2.4)
+    ours, fused_ops = frames_of(fused, wave, deterministic)
+    theirs, composite_ops = frames_of(composite, wave, deterministic)
+    a, b = outputs(ours), outputs(theirs)
+    assert a["text"] == b["text"]
+    np.testing.assert_array_equal(a["codes"], b["codes"])
+    np.testing.assert_allclose(a["audio"], b["audio"], atol=2e-4)
+    assert fused_ops < 0.7 * composite_ops, (fused_ops, composite_ops)
+
+
+def test_engine_rows_take_the_fused_kernels_and_equal_a_lone_session(deep_q4):
+    """Three sessions at different frames in one engine step: each equals itself alone (fused both)."""
+    model = nv.load_model(deep_q4, device="cpu")
+    waves = [synth_audio(1.6, seed=s) for s in range(3)]
+    engine = model.create_engine(max_sessions=3)
+    handles, got = [], [[] for _ in waves]
+    for step in range(20):
+        if step in (0, 3, 6):
+            handles.append(engine.open(nv.StreamingOptions(system_prompt=PROMPT, deterministic=True)))
+        for i, handle in enumerate(handles):
+            start = (step - (0, 3, 6)[i]) * 1280
+            if start + 1280 <= len(waves[i]):
+                handle.push_audio(waves[i][start:start + 1280], 16000)
+        for handle, events in engine.step().items():
+            got[handles.index(handle)] += events
+    for i, wave in enumerate(waves):
+        alone, _ = frames_of(model, wave[:(20 - (0, 3, 6)[i]) * 1280], True)
+        alone = [e for e in alone if e.kind not in ("done",)]
+        want = outputs(alone)
+        have = outputs(got[i])
+        n = len(have["codes"])
+        np.testing.assert_array_equal(have["codes"], want["codes"][:n])
+        assert [t for t in have["text"] if t[1] < n] == [t for t in want["text"] if t[1] < n]
+
+
+@pytest.mark.parametrize("why", ["disabled", "no compiler"])
+def test_without_the_kernels_a_model_runs_within_the_old_budget_and_says_why(deep_q4, tmp_path, why):
+    """NVCHAT_CPU_KERNELS=0, or no C++ compiler and no cached build: the composite code, as before,
+    <= 2,500 ops a frame, and describe() says why."""
+    env, reason = ({cpu_kernels.ENV: "0"}, "disabled (NVCHAT_CPU_KERNELS=0)") if why == "disabled" else \
+        ({"CXX": "no-such-c++", "TORCH_EXTENSIONS_DIR": str(tmp_path)}, "no C++ compiler ('no-such-c++' is not on PATH)")
+    code = ("import sys, json; sys.path.insert(0, 'tests'); import torch;"
+            "import nvchat_torch as nv; from test_cpu_kernels import frames_of; from mlx_oracle import synth_audio;"
+            f"m = nv.load_model({str(deep_q4)!r}, device='cpu');"
+            "events, ops = frames_of(m, synth_audio(1.2), True);"
+            "print(json.dumps([m.describe(), ops, sum(e.kind == 'audio' for e in events)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    describe, ops, frames = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f"fused CPU kernels: not used ({reason})" in describe
+    assert frames == 15 and 1600 < ops <= 2500
+
+
+def test_the_fast_mode_and_other_devices_keep_the_composite_code(ckpt_q4):
+    """bf16 activations: torch's own ops (the kernels take float32 CPU tensors only)."""
+    model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.bfloat16)
+    assert model.fused_cpu == "not asked for"
+    assert not any(getattr(m, "cpu_kernels", False) for m in model.modules())
+    assert not cpu_kernels.usable(torch.zeros(2, dtype=torch.bfloat16)) and cpu_kernels.usable(torch.zeros(2))
+    assert not cpu_kernels.usable(torch.zeros(4, 4).t())  # a transposed view: not contiguous
+
+
+def test_bad_inputs_get_an_error_naming_what_is_wrong():
+    assert cpu_kernels.available()
+    ops = torch.ops.nvchat_cpu
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), None, 1e-6)
+    with pytest.raises(RuntimeError, match="weight has 3 at dim 0, expected 4"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-6)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        ops.relu_square(torch.zeros(4, 4).t())
+    with pytest.raises(RuntimeError, match="rvq_assign: quantizers 3..5"):
+        ops.rvq_assign(torch.zeros(1, 5), torch.zeros(4, 16, 5), torch.zeros(4, 16), None, 3, 2)
+    # and the op still works after an error
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(ops.rms_norm(x, None, 1e-6), F.rms_norm(x, (8,), None, 1e-6))
