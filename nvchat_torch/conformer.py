@@ -133,7 +133,7 @@ class RelPositionAttention(nn.Module):
         return add_linear(residual, self.linear_out, out.reshape(b, 1, -1))
 
 
-class FusedRelPositionAttention(RelPositionAttention):
+class FusedRelPositionAttention(RelPositionAttention, FusedOnCpu):
     """``prepare()``'s swap for :class:`RelPositionAttention`: one matmul for q + u, q + v, k and v
     (``linear_quvkv``: linear_q appears twice in its weight and the position biases u, v join its
     bias, so the per-step bias additions disappear too); the position term reads ``linear_pos`` of the
@@ -162,6 +162,18 @@ class FusedRelPositionAttention(RelPositionAttention):
     def position_scores(self, q_v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``positions [H, hd, B, W]``: this layer's table at each row's slots (one gather for all layers)."""
         return q_v @ positions.permute(2, 0, 1, 3)
+
+    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", positions: torch.Tensor,
+                     residual: torch.Tensor) -> torch.Tensor:
+        """On a float32 CPU model (:meth:`use_cpu_kernels`): the ring write, position scores and attention
+        as one fused kernel after the projection (the ring is bounded: left context + 1 slots)."""
+        if not (self.cpu_kernels and cpu_kernels.usable(x, kv, positions)
+                and (rows.mask is None or cpu_kernels.usable(rows.mask))):
+            return super().forward_step(x, kv, rows, positions, residual)
+        b = x.shape[0]
+        out = torch.ops.nvchat_cpu.conformer_attention_step(self.linear_quvkv(x).view(b, -1), kv, rows.batch, rows.slot,
+                                                            positions, rows.mask, rows.length, self.scale)
+        return add_linear(residual, self.linear_out, out.view(b, 1, -1))
 
 
 class ConvModule(nn.Module, FusedOnCpu):

@@ -425,6 +425,88 @@ at::Tensor gemma_qk_step(const at::Tensor& qkv, const at::Tensor& qk_scale, cons
   return out;
 }
 
+// A Conformer attention step per row, after the fused projection ``quvkv [B, 4d]`` = (q + u, q + v,
+// k, v): the row's key and value written at its ring slot of ``kv [2, B', H, W, hd]`` (row ``batch[r]``,
+// in place), then per head softmax over ring slots ``0 .. length - 1`` of
+// ``scale (q + u).k_j + (q + v).P[h, :, r, j] + mask[r, j]`` (``positions`` P ``[H, hd, B, length]``, the
+// layer's distance table at the row's slots, pre-scaled; ``mask`` additive ``[B, 1, 1, length]``)
+// -> ``[B, d]``. The ring is bounded (left context + 1 slots), so one pass per head is cheap.
+at::Tensor conformer_attention_step(const at::Tensor& quvkv, at::Tensor& kv, const at::Tensor& batch,
+                                    const at::Tensor& slot, const at::Tensor& positions,
+                                    const c10::optional<at::Tensor>& mask, int64_t length, double scale) {
+  check(quvkv, "quvkv", 2);
+  check(kv, "kv", 5);
+  check(positions, "positions", 4);
+  for (const at::Tensor* t : {&batch, &slot})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
+                    t->size(0) == quvkv.size(0),
+                "nvchat_cpu: conformer_attention_step: batch and slot must be [B] int64 CPU tensors");
+  const int64_t B = quvkv.size(0), rows = kv.size(1), H = kv.size(2), W = kv.size(3), hd = kv.size(4), d = H * hd;
+  check_size(kv, "kv", 0, 2);
+  check_size(quvkv, "quvkv", 1, 4 * d);
+  check_size(positions, "positions", 0, H);
+  check_size(positions, "positions", 1, hd);
+  check_size(positions, "positions", 2, B);
+  check_size(positions, "positions", 3, length);
+  TORCH_CHECK(length > 0 && length <= W, "nvchat_cpu: length ", length, " of ", W, " ring slots");
+  const float* add = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    check(*mask, "mask", 4);
+    TORCH_CHECK(mask->size(0) == B && mask->size(3) == length, "nvchat_cpu: mask ", mask->sizes());
+    add = mask->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({B, d}, quvkv.options());
+  const float *in = quvkv.data_ptr<float>(), *P = positions.data_ptr<float>();
+  const int64_t *row_of = batch.data_ptr<int64_t>(), *slot_of = slot.data_ptr<int64_t>();
+  float *Kv = kv.data_ptr<float>(), *o = out.data_ptr<float>();
+  const int64_t plane = rows * H * W * hd;  // keys, then values
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t row = row_of[r], at_slot = slot_of[r];
+    TORCH_CHECK(row >= 0 && row < rows && at_slot >= 0 && at_slot < W, "nvchat_cpu: row ", row, " slot ", at_slot);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t base = ((row * H + h) * W + at_slot) * hd;
+      std::copy(in + r * 4 * d + 2 * d + h * hd, in + r * 4 * d + 2 * d + (h + 1) * hd, Kv + base);
+      std::copy(in + r * 4 * d + 3 * d + h * hd, in + r * 4 * d + 3 * d + (h + 1) * hd, Kv + plane + base);
+    }
+  }
+  std::vector<float> scores(length);
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t row = row_of[r];
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qu = in + r * 4 * d + h * hd;
+      const float* qv = qu + d;
+      const float* keys = Kv + (row * H + h) * W * hd;
+      const float* values = keys + plane;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < length; ++j) {
+        const float* k = keys + j * hd;
+        float content = 0.f, position = 0.f;
+        NVCHAT_SIMD_SUM(content)
+        for (int64_t c = 0; c < hd; ++c) content += qu[c] * k[c];
+        for (int64_t c = 0; c < hd; ++c) position += qv[c] * P[((h * hd + c) * B + r) * length + j];
+        float score = content * static_cast<float>(scale) + position;
+        if (add != nullptr) score += add[r * length + j];
+        scores[j] = score;
+        top = std::max(top, score);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < length; ++j) {
+        scores[j] = std::exp(scores[j] - top);
+        total += scores[j];
+      }
+      float* dst = o + r * d + h * hd;
+      std::fill(dst, dst + hd, 0.f);
+      for (int64_t j = 0; j < length; ++j) {
+        const float p = scores[j] / total;
+        if (p == 0.f) continue;  // a masked slot (its memory may hold anything)
+        const float* v = values + j * hd;
+        for (int64_t c = 0; c < hd; ++c) dst[c] += p * v[c];
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nvchat_cpu, m) {
@@ -437,6 +519,8 @@ TORCH_LIBRARY(nvchat_cpu, m) {
   m.def("relu_square(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("conformer_attention_step(Tensor quvkv, Tensor(a!) kv, Tensor batch, Tensor slot, Tensor positions, "
+        "Tensor? mask, int length, float scale) -> Tensor");
   m.def("gemma_qk_step(Tensor qkv, Tensor qk_scale, Tensor rotation, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor slots, float eps) -> Tensor");
   m.def("conv_module_step(Tensor projected, Tensor state, Tensor weight, Tensor? bias, Tensor norm_weight, "
@@ -452,4 +536,5 @@ TORCH_LIBRARY_IMPL(nvchat_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("conv_module_step", &conv_module_step);
   m.impl("gemma_qk_step", &gemma_qk_step);
+  m.impl("conformer_attention_step", &conformer_attention_step);
 }

@@ -7,9 +7,12 @@ gate are each a chain of small ATen kernels that the MLX reference runs as fused
 kernels. These ops are those chains as single C++ loops:
 
 * ``mamba_step``: conv window + SiLU, the state shift, softplus/decay, the SSM update and readout,
-  the D skip and the gated grouped RMS norm (15 kernels per Mamba layer -> 1);
+  the D skip and the gated grouped RMS norm (16 kernels per Mamba layer -> 1);
 * ``rvq_assign``: a MoG draw's greedy codebook assignment (4 kernels per quantizer -> 1 per draw);
 * ``conv_module_step``: GLU, the causal depthwise conv with its state, LayerNorm, SiLU (5 -> 1);
+* ``conformer_attention_step``: the ring write, position scores and attention over the ring (3 -> 1);
+* ``gemma_qk_step``: the q/k norms, their scale, RoPE and the K/V write (5 -> 1; SDPA, vectorized
+  for the TTS's long history, stays torch's);
 * ``gelu_tanh_mul``, ``relu_square``, ``add_rms_norm`` (2 -> 1 each) and ``rms_norm`` (torch's CPU
   ``rms_norm`` is a composite of 13 sub-ops; one pass here).
 
@@ -196,6 +199,20 @@ def _self_test() -> str | None:
         ours = ops.gemma_qk_step(qkv, qk_scale, rotation, keys, values, slots, 1e-6)
         checks += [("gemma_qk_step", ours, qk[:, :Hq]), ("gemma_qk_step keys", keys, want_keys),
                    ("gemma_qk_step values", values, want_values)]
+        # a Conformer attention step: 2 rows, 2 heads of 3, a ring of 5 slots, 4 attended, row 1 masked at 0
+        H, hd, W, n = 2, 3, 5, 4
+        quvkv, kv, positions = rand(2, 4 * H * hd), rand(2, 2, H, W, hd), rand(H, hd, 2, n)
+        rows, slot = torch.tensor([0, 1]), torch.tensor([3, 1])
+        mask = torch.zeros(2, 1, 1, n)
+        mask[1, ..., 0] = float("-inf")
+        want_kv = kv.clone()
+        q_u, q_v, new = quvkv.split([H * hd, H * hd, 2 * H * hd], -1)
+        want_kv[:, rows, :, slot] = new.view(2, 2, H, hd)  # split advanced indices: [B, 2, H, hd]
+        bias = q_v.view(2, H, 1, hd) @ positions.permute(2, 0, 1, 3) + mask
+        want = F.scaled_dot_product_attention(q_u.view(2, H, 1, hd), want_kv[0, :, :, :n], want_kv[1, :, :, :n],
+                                              attn_mask=bias, scale=0.4).reshape(2, H * hd)
+        ours = ops.conformer_attention_step(quvkv, kv, rows, slot, positions, mask, n, 0.4)
+        checks += [("conformer_attention_step", ours, want), ("conformer_attention_step kv", kv, want_kv)]
     for name, ours, theirs in checks:
         problem = close(name, ours, theirs)
         if problem is not None:
