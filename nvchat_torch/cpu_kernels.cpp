@@ -36,6 +36,14 @@ void check_size(const at::Tensor& t, const char* name, int64_t axis, int64_t siz
               ", expected ", size, " (shape ", t.sizes(), ")");
 }
 
+// An optional 1-D float32 vector of ``size`` entries (a bias, a norm weight): its data, or nullptr.
+const float* optional_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t size) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check(*t, name, 1);
+  check_size(*t, name, 0, size);
+  return t->data_ptr<float>();
+}
+
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 // torch's softplus (beta 1, threshold 20)
@@ -80,12 +88,7 @@ std::tuple<at::Tensor, at::Tensor> mamba_step(const at::Tensor& projected, const
   check_size(norm_weight, "norm_weight", 0, d_inner);
   TORCH_CHECK(groups > 0 && H % groups == 0 && norm_groups > 0 && d_inner % norm_groups == 0,
               "nvchat_cpu: mamba_step groups do not divide the heads / channels");
-  const float* bias = nullptr;
-  if (conv_bias.has_value() && conv_bias->defined()) {
-    check(*conv_bias, "conv_bias", 1);
-    check_size(*conv_bias, "conv_bias", 0, conv_dim);
-    bias = conv_bias->data_ptr<float>();
-  }
+  const float* bias = optional_vector(conv_bias, "conv_bias", conv_dim);
   at::Tensor out = at::empty({Bn, d_inner}, projected.options());
   std::vector<float> xbc(Bn * conv_dim);
   const float* proj = projected.data_ptr<float>();
@@ -280,12 +283,7 @@ void rms_rows(const float* x, const float* w, const float* residual, float* o, i
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
   check(x, "x", x.dim());
   const int64_t d = x.size(-1);
-  const float* w = nullptr;
-  if (weight.has_value() && weight->defined()) {
-    check(*weight, "weight", 1);
-    check_size(*weight, "weight", 0, d);
-    w = weight->data_ptr<float>();
-  }
+  const float* w = optional_vector(weight, "weight", d);
   at::Tensor out = at::empty(x.sizes(), x.options());
   rms_rows(x.data_ptr<float>(), w, nullptr, out.data_ptr<float>(), x.numel() / d, d, static_cast<float>(eps));
   return out;
@@ -323,12 +321,7 @@ std::tuple<at::Tensor, at::Tensor> conv_module_step(const at::Tensor& projected,
   check_size(weight, "weight", 0, d);
   check_size(norm_weight, "norm_weight", 0, d);
   check_size(norm_bias, "norm_bias", 0, d);
-  const float* bs = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check(*bias, "bias", 1);
-    check_size(*bias, "bias", 0, d);
-    bs = bias->data_ptr<float>();
-  }
+  const float* bs = optional_vector(bias, "bias", d);
   at::Tensor out = at::empty({Bn, d}, projected.options());
   const float *in = projected.data_ptr<float>(), *w = weight.data_ptr<float>();
   const float *lw = norm_weight.data_ptr<float>(), *lb = norm_bias.data_ptr<float>();

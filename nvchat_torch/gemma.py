@@ -56,11 +56,9 @@ class FusedGatedMLP(GatedMLP, FusedOnCpu):
         return self.gate_up_proj(x).chunk(2, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.cpu_kernels and cpu_kernels.usable(gate_up):
-            return self.down_proj(torch.ops.nvchat_cpu.gelu_tanh_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(gelu_tanh(gate) * up)
+        if not (self.cpu_kernels and cpu_kernels.usable(x)):  # float32 x: the projection is float32 too
+            return super().forward(x)
+        return self.down_proj(torch.ops.nvchat_cpu.gelu_tanh_mul(self.gate_up_proj(x)))
 
 
 class Rotary(nn.Module):
@@ -308,18 +306,25 @@ class GemmaAttention(AttentionProjections):
         else:
             qk = Rotary.apply(qk * self.qk_norm_weight(), rope[0][:, None], rope[1][:, None])
         q, k, v = self.split_heads(qk, v)
-        if rows is not None:  # the query heads of a KV head become that many query rows (a view): plain
-            # attention over the held keys, which GQA would expand per query head, every step, whole history
+        if rows is not None:  # one position per row, against the slots the rows hold
             held_k, held_v = cache.write_rows(layer, k, v, rows)
-            b = q.shape[0]
-            out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
-                                                 attn_mask=mask, scale=self.scale)
-            return self.output(out.view(b, self.n_heads, 1, self.head_dim))
+            return self.attend_held(q, held_k, held_v, mask)
         if cache is not None:  # a sequence from position 0 (the speaker warmup): it attends to itself
             cache.write(layer, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_heads != self.n_kv_heads)
         return self.output(out)
+
+
+    def attend_held(self, q: torch.Tensor, held_k: torch.Tensor, held_v: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+        """One position per row: queries ``[R, heads, (1,) d]`` over the held keys/values ``[R, kv_heads, S, d]``
+        -> ``o_proj``. The query heads of a KV head become that many query rows (a view): plain attention
+        over the held keys, which GQA would expand per query head, every step, whole history."""
+        b = q.shape[0]
+        out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), held_k, held_v,
+                                             attn_mask=mask, scale=self.scale)
+        return self.output(out.view(b, self.n_heads, 1, self.head_dim))
 
 
 class FusedGemmaAttention(FusedQKV, GemmaAttention, FusedOnCpu):
@@ -351,10 +356,7 @@ class FusedGemmaAttention(FusedQKV, GemmaAttention, FusedOnCpu):
             return super().forward(x, batch, length, rope, cache, layer, mask, rows)
         q = torch.ops.nvchat_cpu.gemma_qk_step(self.qkv_proj(x), self.qk_scale, rope[0].view(-1, self.head_dim, self.head_dim),
                                                keys, values, slots, self.q_norm.eps)
-        b = q.shape[0]  # the query heads of a KV head as that many query rows, as GemmaAttention.forward
-        out = F.scaled_dot_product_attention(q.view(b, self.n_kv_heads, -1, self.head_dim), keys[:, :, :held],
-                                             values[:, :, :held], attn_mask=mask, scale=self.scale)
-        return self.output(out.view(b, self.n_heads, 1, self.head_dim))
+        return self.attend_held(q, keys[:, :, :held], values[:, :, :held], mask)
 
 
 class GemmaLayer(nn.Module):

@@ -16,7 +16,7 @@ from .config import VoiceChatConfig
 from .perception import Perception
 from .diagnostics import model_bytes, return_freed_memory
 from .int4pack import Int4Kernel
-from .layers import Linear, swap_modules
+from .layers import FusedOnCpu, Linear, swap_modules
 from .language_heads import fuse_heads
 from .nemotron_h import NemotronHModel
 from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4
@@ -118,9 +118,8 @@ class VoiceChatNetworks(nn.Module):
         self.fused_cpu = cpu_kernels.status() if fused_cpu else "not asked for"
         if self.fused_cpu is None:
             for module in self.modules():  # each module that has a fused step decides on its own tensors
-                enable = getattr(type(module), "use_cpu_kernels", None)
-                if callable(enable):
-                    enable(module)
+                if isinstance(module, FusedOnCpu):
+                    module.use_cpu_kernels()
         return_freed_memory()
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
