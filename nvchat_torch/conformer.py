@@ -23,7 +23,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import ConformerConfig
-from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, promoted, register_float32,
+from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, norm_linear, promoted, register_float32,
                      swap_modules)
 from .layers import linear as promoted_linear
 from .quant import concat_linears
@@ -56,9 +56,10 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear2(F.silu(self.linear1(x)))
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        """``residual + alpha * self(x)`` with the last projection and the sum as one op where possible."""
-        return add_linear(residual, self.linear2, F.silu(self.linear1(x)), alpha)
+    def add_to(self, x: torch.Tensor, norm: nn.Module, alpha: float) -> torch.Tensor:
+        """``x + alpha * self(norm(x))``: the norm, first projection and SiLU as one op on a CPU
+        (:func:`~nvchat_torch.layers.norm_linear`), the last projection and the sum as another."""
+        return add_linear(x, self.linear2, norm_linear(norm, x, self.linear1, "silu"), alpha)
 
 
 class RelPositionAttention(nn.Module):
@@ -114,14 +115,14 @@ class RelPositionAttention(nn.Module):
         w_pos = self.linear_pos.weight.view(self.n_heads, self.head_dim, -1).to(q_v.dtype)
         return torch.matmul(q_v, w_pos) @ positions.to(q_v.dtype).transpose(1, 2)[:, None]
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", positions: torch.Tensor,
-                     residual: torch.Tensor) -> torch.Tensor:
-        """One frame per stream, each at its own: ``x [B, 1, d]`` against the cached window ``kv [2, B, H,
-        W, hd]`` (this layer's key/value ring); each row writes its slot and attends its filled slots
-        (``rows``); ``positions``: the distance terms of its slots (:meth:`position_scores`). Returns
-        ``residual + attention(x)``."""
-        b = x.shape[0]
-        q_u, q_v, kv_new = self.project(x)
+    def forward_step(self, x: torch.Tensor, norm: nn.Module, kv: torch.Tensor, rows: "ConformerRows",
+                     positions: torch.Tensor) -> torch.Tensor:
+        """One frame per stream, each at its own: ``norm(x)``, ``x [B, 1, d]``, against the cached window
+        ``kv [2, B, H, W, hd]`` (this layer's key/value ring); each row writes its slot and attends its
+        filled slots (``rows``); ``positions``: the distance terms of its slots (:meth:`position_scores`).
+        Returns ``x + attention(norm(x))``."""
+        b, residual = x.shape[0], x
+        q_u, q_v, kv_new = self.project(norm(x))
         kv[:, rows.batch, :, rows.slot] = kv_new.view(b, 2, self.n_heads, self.head_dim)
         q_v = q_v.view(b, self.n_heads, 1, self.head_dim)
         bias = self.position_scores(q_v, positions)
@@ -163,17 +164,19 @@ class FusedRelPositionAttention(RelPositionAttention, FusedOnCpu):
         """``positions [H, hd, B, W]``: this layer's table at each row's slots (one gather for all layers)."""
         return q_v @ positions.permute(2, 0, 1, 3)
 
-    def forward_step(self, x: torch.Tensor, kv: torch.Tensor, rows: "ConformerRows", positions: torch.Tensor,
-                     residual: torch.Tensor) -> torch.Tensor:
-        """On a float32 CPU model (:meth:`use_cpu_kernels`): the ring write, position scores and attention
-        as one fused kernel after the projection (the ring is bounded: left context + 1 slots)."""
+    def forward_step(self, x: torch.Tensor, norm: nn.Module, kv: torch.Tensor, rows: "ConformerRows",
+                     positions: torch.Tensor) -> torch.Tensor:
+        """On a float32 CPU model (:meth:`use_cpu_kernels`): the norm and projection as one fused kernel,
+        then the ring write, position scores and attention as another (the ring is bounded: left context
+        + 1 slots)."""
         if not (self.cpu_kernels and cpu_kernels.usable(x, kv, positions)
                 and (rows.mask is None or cpu_kernels.usable(rows.mask))):
-            return super().forward_step(x, kv, rows, positions, residual)
+            return super().forward_step(x, norm, kv, rows, positions)
         b = x.shape[0]
-        out = torch.ops.nvchat_cpu.conformer_attention_step(self.linear_quvkv(x).view(b, -1), kv, rows.batch, rows.slot,
-                                                            positions, rows.mask, rows.length, self.scale)
-        return add_linear(residual, self.linear_out, out.view(b, 1, -1))
+        out = torch.ops.nvchat_cpu.conformer_attention_step(norm_linear(norm, x, self.linear_quvkv).view(b, -1), kv,
+                                                            rows.batch, rows.slot, positions, rows.mask, rows.length,
+                                                            self.scale)
+        return add_linear(x, self.linear_out, out.view(b, 1, -1))
 
 
 class ConvModule(nn.Module, FusedOnCpu):
@@ -197,15 +200,15 @@ class ConvModule(nn.Module, FusedOnCpu):
         g = F.pad(self._glu(x).transpose(1, 2), (self.kernel_size - 1, 0))
         return self._finish(self.depthwise_conv(g).transpose(1, 2))
 
-    def forward_step(self, x: torch.Tensor, state: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame per stream ``x [B, 1, d]`` -> ``(residual + conv(x), next state)``. ``state [B, d,
+    def forward_step(self, x: torch.Tensor, norm: nn.Module, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame per stream ``x [B, 1, d]`` -> ``(x + conv(norm(x)), next state)``. ``state [B, d,
         kernel - 1]`` holds each row's GLU outputs of its last ``kernel - 1`` frames, oldest first (zeros
         before its first): the window is them and this frame's, one cat, whatever frame each row is at."""
         if self.cpu_kernels and cpu_kernels.usable(x):
-            return self._fused_step(x, state, residual)
-        window = torch.cat([state, self._glu(x).transpose(1, 2)], dim=2)
+            return self._fused_step(x, norm, state)
+        window = torch.cat([state, self._glu(norm(x)).transpose(1, 2)], dim=2)
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
-        return add_linear(residual, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window[..., 1:]
+        return add_linear(x, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window[..., 1:]
 
     def use_cpu_kernels(self) -> None:
         """On a float32 CPU model (``prepare()``): GLU, the depthwise conv with its state, the norm and
@@ -217,16 +220,17 @@ class ConvModule(nn.Module, FusedOnCpu):
         register_float32(self, "norm_bias_f32", self.batch_norm.bias)
         self.cpu_kernels = self.batch_norm.bias is not None
 
-    def _fused_step(self, x: torch.Tensor, state: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_step` with the middle fused (a composite step's state is a view: made contiguous)."""
+    def _fused_step(self, x: torch.Tensor, norm: nn.Module, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_step` with the norm and first projection fused, and the middle (a composite
+        step's state is a view: made contiguous)."""
         if not cpu_kernels.usable(state):
             state = state.float().contiguous()
-        projected = promoted_linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias)
+        projected = norm_linear(norm, x, self.pointwise_conv1, weight=self.pointwise_conv1.weight[..., 0])
         b = x.shape[0]
         h, state = torch.ops.nvchat_cpu.conv_module_step(projected.view(b, -1), state, self.depthwise_taps,
                                                   self.depthwise_bias_f32, self.norm_weight_f32,
                                                   self.norm_bias_f32, self.batch_norm.eps)
-        return add_linear(residual, self.pointwise_conv2, h.view(b, 1, -1), weight=self.pointwise_conv2.weight[..., 0]), state
+        return add_linear(x, self.pointwise_conv2, h.view(b, 1, -1), weight=self.pointwise_conv2.weight[..., 0]), state
 
 
 class ConformerLayer(nn.Module):
@@ -253,10 +257,10 @@ class ConformerLayer(nn.Module):
     def forward_step(self, x: torch.Tensor, kv: torch.Tensor, conv_state: torch.Tensor, rows: "ConformerRows",
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame per stream; returns it and the convolution's next state (``kv`` is written in place)."""
-        x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn.forward_step(self.norm_self_att(x), kv, rows, positions, residual=x)
-        x, conv_state = self.conv.forward_step(self.norm_conv(x), conv_state, residual=x)
-        x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
+        x = self.feed_forward1.add_to(x, self.norm_feed_forward1, 0.5)
+        x = self.self_attn.forward_step(x, self.norm_self_att, kv, rows, positions)
+        x, conv_state = self.conv.forward_step(x, self.norm_conv, conv_state)
+        x = self.feed_forward2.add_to(x, self.norm_feed_forward2, 0.5)
         return self.norm_out(x), conv_state
 
 

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,6 +54,47 @@ inline float clamp_keep_nan(float v, const c10::optional<double>& lo, const c10:
   if (lo.has_value() && v < *lo) return static_cast<float>(*lo);
   if (hi.has_value() && v > *hi) return static_cast<float>(*hi);
   return v;
+}
+
+// The BLAS torch links (MKL, OpenBLAS or Accelerate) does the matrix products, as torch's own linear
+// and addmm do: weak, so a torch without an exported sgemm_ still loads the other ops (blas_available).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+bool blas_available() { return sgemm_ != nullptr; }
+
+// C [rows, n] = alpha * A [rows, k] @ W [n, k]^T + beta * C, all row-major with contiguous rows (A's
+// rows ``lda`` apart): column-major, C^T = W^T^T A^T, torch's call for a linear's row-major output.
+void gemm_rows(const float* A, int64_t lda, const float* W, float* C, int64_t rows, int64_t n, int64_t k,
+               float alpha, float beta) {
+  TORCH_CHECK(blas_available(), "nvchat_cpu: this torch build exports no BLAS sgemm_");
+  TORCH_CHECK(rows < INT32_MAX && n < INT32_MAX && k < INT32_MAX && lda < INT32_MAX,
+              "nvchat_cpu: a matrix product over 2^31 rows or columns");
+  const char ta = 'T', tb = 'N';
+  const int m_ = static_cast<int>(n), n_ = static_cast<int>(rows), k_ = static_cast<int>(k);
+  const int lda_ = static_cast<int>(k > 0 ? k : 1), ldb_ = static_cast<int>(lda > 0 ? lda : 1),
+            ldc_ = static_cast<int>(n > 0 ? n : 1);
+  if (rows == 0 || n == 0) return;
+  sgemm_(&ta, &tb, &m_, &n_, &k_, &alpha, W, &lda_, A, &ldb_, &beta, C, &ldc_);
+}
+
+// LayerNorm's statistics of a row: its mean and 1 / sqrt(biased variance + eps)
+inline std::pair<float, float> row_moments(const float* v, int64_t d, float eps) {
+  float mean = 0.f;
+  NVCHAT_SIMD_SUM(mean)
+  for (int64_t c = 0; c < d; ++c) mean += v[c];
+  mean /= static_cast<float>(d);
+  float var = 0.f;
+  NVCHAT_SIMD_SUM(var)
+  for (int64_t c = 0; c < d; ++c) var += (v[c] - mean) * (v[c] - mean);
+  return {mean, 1.f / std::sqrt(var / static_cast<float>(d) + eps)};
+}
+
+inline float gelu_tanh(float v) {
+  // 0.5 v (1 + tanh(z)) as v sigmoid(2 z): one exp (libm's tanh costs ~30 ns an element)
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  return v / (1.f + std::exp(-2.f * (beta * (v + kappa * v * v * v))));
 }
 
 // One token of the Mamba-2 mixer after its input projection, for B rows at once:
@@ -190,78 +233,34 @@ std::tuple<at::Tensor, at::Tensor> rvq_assign(const at::Tensor& residual, const 
   const float *cb = books.data_ptr<float>(), *norms = sq_norms.data_ptr<float>(), *res = residual.data_ptr<float>();
   int64_t* idx = index.data_ptr<int64_t>();
   float* out = sum.data_ptr<float>();
-  std::vector<float> r(L);
-  for (int64_t b = 0; b < Bn; ++b) {
-    std::copy(res + b * L, res + (b + 1) * L, r.begin());
-    float* acc = out + b * L;
-    for (int64_t q = start; q < start + count; ++q) {
-      const float* book = cb + q * stride * L;
-      const float* nq = norms + q * K;
+  // Per quantizer, all rows' distances as one matrix product (the codebook read once for the batch),
+  // |c|^2 - 2 r.c formed as the composite code's addmm forms it (beta 1 on the norms, alpha -2).
+  std::vector<float> left(res, res + Bn * L), dist(Bn * K);
+  for (int64_t q = start; q < start + count; ++q) {
+    const float* book = cb + q * stride * L;
+    const float* nq = norms + q * K;
+    for (int64_t b = 0; b < Bn; ++b) std::copy(nq, nq + K, dist.begin() + b * K);
+    gemm_rows(left.data(), L, book, dist.data(), Bn, K, L, -2.f, 1.f);
+    for (int64_t b = 0; b < Bn; ++b) {
+      const float* d = dist.data() + b * K;
       int64_t best = 0;
-      float best_d = std::numeric_limits<float>::infinity();
-      bool found = false;
-      for (int64_t k = 0; k < K; ++k) {
-        const float* c = book + k * L;
-        float dot = 0.f;
-        NVCHAT_SIMD_SUM(dot)
-        for (int64_t i = 0; i < L; ++i) dot += r[i] * c[i];
-        const float dist = nq[k] + -2.f * dot;
-        if (!found || dist < best_d || (std::isnan(dist) && !std::isnan(best_d))) {
-          best = k;
-          best_d = dist;
-          found = true;
-        }
-      }
+      for (int64_t k = 1; k < K && !std::isnan(d[best]); ++k)  // the first minimum; a NaN wins, as argmin's
+        if (d[k] < d[best] || std::isnan(d[k])) best = k;
       idx[b * count + (q - start)] = best;
       const float* row = book + best * L;
+      float* acc = out + b * L;
       if (q == start && dec == nullptr) {
         std::copy(row, row + L, acc);
       } else {
         const float* base = q == start ? dec + b * L : acc;
         for (int64_t i = 0; i < L; ++i) acc[i] = base[i] + row[i];
       }
+      float* r = left.data() + b * L;
       if (q + 1 < start + count)
         for (int64_t i = 0; i < L; ++i) r[i] = r[i] - row[i];
     }
   }
   return {index, sum};
-}
-
-// gelu_tanh(gate) * up for x [..., 2h] = [gate | up] (a fused gate-up projection's output) -> [..., h]
-at::Tensor gelu_tanh_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "nvchat_cpu: gelu_tanh_mul needs an even last dim");
-  check(x, "x", x.dim());
-  const int64_t h = x.size(-1) / 2, rows = x.numel() / (2 * h);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = h;
-  at::Tensor out = at::empty(shape, x.options());
-  const float* in = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float *g = in + r * 2 * h, *u = g + h;
-    for (int64_t i = 0; i < h; ++i) {
-      // 0.5 v (1 + tanh(z)) as v sigmoid(2 z): one exp (libm's tanh costs ~30 ns an element)
-      const float v = g[i];
-      const float gelu = v / (1.f + std::exp(-2.f * (beta * (v + kappa * v * v * v))));
-      o[r * h + i] = gelu * u[i];
-    }
-  }
-  return out;
-}
-
-// relu(x)^2
-at::Tensor relu_square(const at::Tensor& x) {
-  check(x, "x", x.dim());
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  const float* in = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t n = x.numel();
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = in[i] > 0.f ? in[i] : 0.f;
-    o[i] = v * v;
-  }
-  return out;
 }
 
 void rms_rows(const float* x, const float* w, const float* residual, float* o, int64_t rows, int64_t d, float eps) {
@@ -341,14 +340,7 @@ std::tuple<at::Tensor, at::Tensor> conv_module_step(const at::Tensor& projected,
       for (int64_t k = 0; k + 1 < K - 1; ++k) n[k] = s[k + 1];
       if (K > 1) n[K - 2] = glu;
     }
-    float mean = 0.f;
-    NVCHAT_SIMD_SUM(mean)
-    for (int64_t c = 0; c < d; ++c) mean += v[c];
-    mean /= static_cast<float>(d);
-    float var = 0.f;
-    NVCHAT_SIMD_SUM(var)
-    for (int64_t c = 0; c < d; ++c) var += (v[c] - mean) * (v[c] - mean);
-    const float r = 1.f / std::sqrt(var / static_cast<float>(d) + static_cast<float>(eps));
+    const auto [mean, r] = row_moments(v, d, static_cast<float>(eps));
     for (int64_t c = 0; c < d; ++c) v[c] = silu((v[c] - mean) * r * lw[c] + lb[c]);
   }
   return {out, next_state};
@@ -500,6 +492,66 @@ at::Tensor conformer_attention_step(const at::Tensor& quvkv, at::Tensor& kv, con
   return out;
 }
 
+// activation(norm(x) @ weight^T + bias) for the rows of x [..., in] in one op: the pre-norm the
+// projection's input takes ("rms": x / rms(x) * norm_weight; "layer": LayerNorm with norm_weight and
+// norm_bias; "": none), the projection as torch's linear computes it (the bias copied in, then BLAS
+// with beta 1), and the activation on its output ("silu", "relu_square", "gelu_tanh_mul": the halves
+// [gate | up] -> gelu_tanh(gate) * up; "": none), the output still in cache.
+at::Tensor norm_linear(const at::Tensor& x, c10::string_view norm, const c10::optional<at::Tensor>& norm_weight,
+                       const c10::optional<at::Tensor>& norm_bias, double eps, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, c10::string_view activation) {
+  TORCH_CHECK(x.dim() >= 1, "nvchat_cpu: norm_linear needs x [..., in]");
+  check(x, "x", x.dim());
+  check(weight, "weight", 2);
+  const int64_t in = x.size(-1), n = weight.size(0), rows = in > 0 ? x.numel() / in : 0;
+  check_size(weight, "weight", 1, in);
+  const float* bs = optional_vector(bias, "bias", n);
+  const bool rms = norm == "rms", layer = norm == "layer";
+  TORCH_CHECK(rms || layer || norm.empty(), "nvchat_cpu: norm_linear: unknown norm '", std::string(norm), "'");
+  const float* nw = optional_vector(norm_weight, "norm_weight", in);
+  const float* nb = optional_vector(norm_bias, "norm_bias", in);
+  const bool gated = activation == "gelu_tanh_mul";
+  TORCH_CHECK(gated || activation == "silu" || activation == "relu_square" || activation.empty(),
+              "nvchat_cpu: norm_linear: unknown activation '", std::string(activation), "'");
+  TORCH_CHECK(!gated || n % 2 == 0, "nvchat_cpu: norm_linear: gelu_tanh_mul needs an even output width, got ", n);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = gated ? n / 2 : n;
+  at::Tensor out = at::empty(shape, x.options());
+  const float* src = x.data_ptr<float>();
+  std::vector<float> normed;
+  if (rms || layer) {
+    normed.resize(rows * in);
+    if (rms) rms_rows(src, nw, nullptr, normed.data(), rows, in, static_cast<float>(eps));
+    for (int64_t r = 0; layer && r < rows; ++r) {
+      const float* v = src + r * in;
+      float* o = normed.data() + r * in;
+      const auto [mean, s] = row_moments(v, in, static_cast<float>(eps));
+      for (int64_t c = 0; c < in; ++c) {
+        const float y = (v[c] - mean) * s;
+        o[c] = (nw ? y * nw[c] : y) + (nb ? nb[c] : 0.f);
+      }
+    }
+    src = normed.data();
+  }
+  std::vector<float> scratch(gated ? rows * n : 0);
+  float* y = gated ? scratch.data() : out.data_ptr<float>();
+  if (bs)
+    for (int64_t r = 0; r < rows; ++r) std::copy(bs, bs + n, y + r * n);
+  gemm_rows(src, in, weight.data_ptr<float>(), y, rows, n, in, 1.f, bs ? 1.f : 0.f);
+  const int64_t total = rows * n;
+  if (activation == "silu") {
+    for (int64_t i = 0; i < total; ++i) y[i] = silu(y[i]);
+  } else if (activation == "relu_square") {
+    for (int64_t i = 0; i < total; ++i) y[i] = y[i] > 0.f ? y[i] * y[i] : 0.f;
+  } else if (gated) {
+    float* o = out.data_ptr<float>();
+    const int64_t h = n / 2;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < h; ++i) o[r * h + i] = gelu_tanh(y[r * n + i]) * y[r * n + h + i];
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nvchat_cpu, m) {
@@ -508,14 +560,15 @@ TORCH_LIBRARY(nvchat_cpu, m) {
         "float eps, float? dt_min, float? dt_max) -> (Tensor, Tensor)");
   m.def("rvq_assign(Tensor residual, Tensor books, Tensor sq_norms, Tensor? decided, int start, int count) "
         "-> (Tensor, Tensor)");
-  m.def("gelu_tanh_mul(Tensor x) -> Tensor");
-  m.def("relu_square(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("conformer_attention_step(Tensor quvkv, Tensor(a!) kv, Tensor batch, Tensor slot, Tensor positions, "
         "Tensor? mask, int length, float scale) -> Tensor");
   m.def("gemma_qk_step(Tensor qkv, Tensor qk_scale, Tensor rotation, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor slots, float eps) -> Tensor");
+  m.def("blas_available() -> bool", &blas_available);  // no tensor: one kernel for every dispatch key
+  m.def("norm_linear(Tensor x, str norm, Tensor? norm_weight, Tensor? norm_bias, float eps, Tensor weight, "
+        "Tensor? bias, str activation) -> Tensor");
   m.def("conv_module_step(Tensor projected, Tensor state, Tensor weight, Tensor? bias, Tensor norm_weight, "
         "Tensor norm_bias, float eps) -> (Tensor, Tensor)");
 }
@@ -523,11 +576,10 @@ TORCH_LIBRARY(nvchat_cpu, m) {
 TORCH_LIBRARY_IMPL(nvchat_cpu, CPU, m) {
   m.impl("mamba_step", &mamba_step);
   m.impl("rvq_assign", &rvq_assign);
-  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
-  m.impl("relu_square", &relu_square);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("conv_module_step", &conv_module_step);
+  m.impl("norm_linear", &norm_linear);
   m.impl("gemma_qk_step", &gemma_qk_step);
   m.impl("conformer_attention_step", &conformer_attention_step);
 }

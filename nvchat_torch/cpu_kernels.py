@@ -8,13 +8,16 @@ kernels. These ops are those chains as single C++ loops:
 
 * ``mamba_step``: conv window + SiLU, the state shift, softplus/decay, the SSM update and readout,
   the D skip and the gated grouped RMS norm (16 kernels per Mamba layer -> 1);
-* ``rvq_assign``: a MoG draw's greedy codebook assignment (4 kernels per quantizer -> 1 per draw);
+* ``rvq_assign``: a MoG draw's greedy codebook assignment, each quantizer's distances one BLAS product
+  for all rows (4 kernels per quantizer -> 1 per draw);
 * ``conv_module_step``: GLU, the causal depthwise conv with its state, LayerNorm, SiLU (5 -> 1);
 * ``conformer_attention_step``: the ring write, position scores and attention over the ring (3 -> 1);
 * ``gemma_qk_step``: the q/k norms, their scale, RoPE and the K/V write (5 -> 1; SDPA, vectorized
   for the TTS's long history, stays torch's);
-* ``gelu_tanh_mul``, ``relu_square``, ``add_rms_norm`` (2 -> 1 each) and ``rms_norm`` (torch's CPU
-  ``rms_norm`` is a composite of 13 sub-ops; one pass here).
+* ``norm_linear``: a pre-norm (RMS or LayerNorm), the projection that reads it (torch's BLAS, called as
+  its linear calls it) and the activation after it (SiLU, relu^2, the Gemma gate) (3 -> 1);
+* ``add_rms_norm`` (2 -> 1) and ``rms_norm`` (torch's CPU ``rms_norm`` is a composite of 13 sub-ops;
+  one pass here).
 
 They are built from the package's C++ source with torch's extension builder the first time a CPU
 model is prepared (about 20 s; cached under ``TORCH_EXTENSIONS_DIR``, by default
@@ -28,6 +31,7 @@ bf16 fast mode keep the composite code, whose ops those backends run natively.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -39,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ENV", "available", "status", "usable"]
+__all__ = ["ENV", "available", "blas", "status", "usable"]
 
 ENV = "NVCHAT_CPU_KERNELS"  # "0": never build or use the fused CPU kernels
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -56,6 +60,13 @@ def usable(*tensors: torch.Tensor) -> bool:
 def available() -> bool:
     """Whether ``torch.ops.nvchat_cpu`` is built, loaded and passed its self-test (built on first call)."""
     return status() is None
+
+
+@functools.lru_cache(maxsize=None)
+def blas() -> bool:
+    """Whether the kernels reach torch's BLAS (its exported ``sgemm_``: MKL, OpenBLAS or Accelerate), which
+    the ops that include a matrix product (``norm_linear``, ``rvq_assign``) call as torch's linear does."""
+    return available() and torch.ops.nvchat_cpu.blas_available()
 
 
 _UNKNOWN = "not yet built"
@@ -146,10 +157,18 @@ def _self_test() -> str | None:
 
     with torch.inference_mode():
         x, w, res = rand(3, 24), rand(24), rand(3, 24)
-        checks = [("relu_square", ops.relu_square(x), torch.relu(x) * torch.relu(x)),
-                  ("rms_norm", ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (24,), w, 1e-6)),
-                  ("add_rms_norm", ops.add_rms_norm(res, x, w, 1e-6), res + F.rms_norm(x, (24,), w, 1e-6)),
-                  ("gelu_tanh_mul", ops.gelu_tanh_mul(x), F.gelu(x[:, :12], approximate="tanh") * x[:, 12:])]
+        checks = [("rms_norm", ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (24,), w, 1e-6)),
+                  ("add_rms_norm", ops.add_rms_norm(res, x, w, 1e-6), res + F.rms_norm(x, (24,), w, 1e-6))]
+        if ops.blas_available():  # a pre-norm, projection and activation: 3 rows of 24 -> 10
+            pw, pb, lb = rand(10, 24), rand(10), rand(24)
+            gate, up = F.linear(F.rms_norm(x, (24,), w, 1e-6), pw).chunk(2, -1)
+            checks += [("norm_linear layer silu", ops.norm_linear(x, "layer", w, lb, 1e-5, pw, pb, "silu"),
+                        F.silu(F.linear(F.layer_norm(x, (24,), w, lb, 1e-5), pw, pb))),
+                       ("norm_linear rms relu_square", ops.norm_linear(x, "rms", w, None, 1e-6, pw, None, "relu_square"),
+                        torch.relu(F.linear(F.rms_norm(x, (24,), w, 1e-6), pw)) ** 2),
+                       ("norm_linear rms gelu_tanh_mul", ops.norm_linear(x, "rms", w, None, 1e-6, pw, None, "gelu_tanh_mul"),
+                        F.gelu(gate, approximate="tanh") * up),
+                       ("norm_linear", ops.norm_linear(x, "", None, None, 0.0, pw, pb, ""), F.linear(x, pw, pb))]
         # the Conformer convolution module's middle: 2 rows, 8 channels, kernel 4
         proj, state, cw, cb, lw, lb = rand(2, 16), rand(2, 8, 3), rand(8, 4), rand(8), rand(8), rand(8)
         window = torch.cat([state, F.glu(proj, -1)[:, :, None]], 2)
@@ -175,18 +194,18 @@ def _self_test() -> str | None:
         ours, next_state = ops.mamba_step(proj, conv_state, cw, cb, dtb, A, D, nw, ssm, pad, G, 2, 1e-5, None, None)
         checks += [("mamba_step", ours, want), ("mamba_step ssm_state", ssm, new_ssm),
                    ("mamba_step conv_state", next_state, window[:, 1:])]
-        # the RVQ assignment: 2 rows, quantizers 1..3 of 4, 16 entries of 5 (a padded book row)
-        books, r, decided = rand(4, 17, 5), rand(2, 5), rand(2, 5)
-        norms = (books[:, :16] ** 2).sum(-1)
-        index, total = ops.rvq_assign(r, books, norms, decided, 1, 3)
-        want_index, want_total, left = [], decided.clone(), r.clone()
-        for q in range(1, 4):
-            i = torch.addmm(norms[q], left, books[q, :16].T, alpha=-2.0).argmin(-1)
-            want_index.append(i)
-            left, want_total = left - books[q, i], want_total + books[q, i]
-        if not torch.equal(index, torch.stack(want_index, -1)):
-            return "rvq_assign chose other codebook rows than the composite code"
-        checks.append(("rvq_assign", total, want_total))
+        if ops.blas_available():  # the RVQ assignment: 2 rows, quantizers 1..3 of 4, 16 entries of 5 (a padded book row)
+            books, r, decided = rand(4, 17, 5), rand(2, 5), rand(2, 5)
+            norms = (books[:, :16] ** 2).sum(-1)
+            index, total = ops.rvq_assign(r, books, norms, decided, 1, 3)
+            want_index, want_total, left = [], decided.clone(), r.clone()
+            for q in range(1, 4):
+                i = torch.addmm(norms[q], left, books[q, :16].T, alpha=-2.0).argmin(-1)
+                want_index.append(i)
+                left, want_total = left - books[q, i], want_total + books[q, i]
+            if not torch.equal(index, torch.stack(want_index, -1)):
+                return "rvq_assign chose other codebook rows than the composite code"
+            checks.append(("rvq_assign", total, want_total))
         # a Gemma attention step's q/k: 2 rows, 2 query heads per KV head, 2 KV heads, head 4, 6 slots
         Hq, Hkv, d, S = 4, 2, 4, 6
         qkv, qk_scale, rotation = rand(2, (Hq + 2 * Hkv) * d), rand(Hq + Hkv, d), rand(2, d, d)

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TTSConfig
-from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh
+from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, norm_linear
 from .nemotron_h import grown_capacity
 from .quant import fuse_linears
 
@@ -39,14 +39,19 @@ class GatedMLP(nn.Module):
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.gate_proj(x), self.up_proj(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(gelu_tanh(gate) * up)
+    def gated(self, x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+        """``gelu_tanh(gate(h)) * up(h)`` of ``h = norm(x)``: the down projection's input."""
+        gate, up = self.gate_up(x if norm is None else norm(x))
+        return gelu_tanh(gate) * up
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """``norm``: the pre-norm, applied to x here (fused with the gate and up projections on a CPU)."""
+        return self.down_proj(self.gated(x, norm))
 
 
-class FusedGatedMLP(GatedMLP, FusedOnCpu):
-    """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``); fused on a
-    CPU, the gate as one kernel."""
+class FusedGatedMLP(GatedMLP):
+    """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``); on a CPU
+    the pre-norm, that matmul and the gate as one kernel (:func:`~nvchat_torch.layers.norm_linear`)."""
 
     def __init__(self, mlp: GatedMLP):
         adopt(self, mlp)
@@ -55,10 +60,8 @@ class FusedGatedMLP(GatedMLP, FusedOnCpu):
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.gate_up_proj(x).chunk(2, dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.cpu_kernels and cpu_kernels.usable(x)):  # float32 x: the projection is float32 too
-            return super().forward(x)
-        return self.down_proj(torch.ops.nvchat_cpu.gelu_tanh_mul(self.gate_up_proj(x)))
+    def gated(self, x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+        return norm_linear(norm, x, self.gate_up_proj, "gelu_tanh_mul")
 
 
 class Rotary(nn.Module):
@@ -377,7 +380,7 @@ class GemmaLayer(nn.Module):
                 rows: TTSRows | None = None) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), batch, length, rope, cache, layer, mask, rows)
         h = self.post_attention_layernorm.add_to(x, attn)
-        return self.post_feedforward_layernorm.add_to(h, self.mlp(self.pre_feedforward_layernorm(h)))
+        return self.post_feedforward_layernorm.add_to(h, self.mlp(h, self.pre_feedforward_layernorm))
 
 
 class GemmaBackbone(nn.Module):

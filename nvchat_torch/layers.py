@@ -33,7 +33,8 @@ from . import cpu_kernels
 
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
-           "adopt", "swap_modules", "add_linear", "FusedOnCpu", "register_float32"]
+           "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
+           "ACTIVATIONS"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -87,6 +88,65 @@ def add_linear(x: torch.Tensor, module: nn.Module, h: torch.Tensor, alpha: float
     return torch.add(x, y, alpha=alpha)
 
 
+class FusedOnCpu:
+    """A module with a fused CPU step (:mod:`~nvchat_torch.cpu_kernels`): ``prepare()`` calls
+    :meth:`use_cpu_kernels` on a float32 CPU model, and the module then takes its fused op on the
+    activations that op accepts (float32, contiguous CPU tensors), the composite code otherwise."""
+
+    cpu_kernels = False
+
+    def use_cpu_kernels(self) -> None:
+        self.cpu_kernels = True
+
+
+def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """``module.<name>``: ``tensor`` as the fused CPU kernels take it, float32 (a non-persistent buffer;
+    the same tensor if it is float32 already, else an exact upcast of a small bf16 vector, which the
+    composite code promoted on every call against float32 activations)."""
+    module.register_buffer(name, None if tensor is None else tensor.detach().float(), persistent=False)
+
+
+class FusedNorm(FusedOnCpu):
+    """A norm whose fused CPU kernel also takes the projection that reads it (:func:`norm_linear`,
+    where torch's BLAS is reachable from the kernels: :func:`~nvchat_torch.cpu_kernels.blas`)."""
+
+    def norm_spec(self) -> tuple:
+        """``(kind, weight, bias, eps)`` as ``torch.ops.nvchat_cpu.norm_linear`` takes the norm."""
+        raise NotImplementedError
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x)
+    return h * h  # .square() is pow(h, 2), the same products, but it dispatches a result_type each
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (a fused gate-up projection's output)."""
+    gate, up = x.chunk(2, dim=-1)
+    return gelu_tanh(gate) * up
+
+
+# What norm_linear applies after the projection, by the fused kernel's names: the composite forms.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "": lambda h: h, "silu": F.silu, "relu_square": relu_square, "gelu_tanh_mul": gelu_tanh_mul}
+
+
+def norm_linear(norm: nn.Module | None, x: torch.Tensor, projection: nn.Module, activation: str = "",
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``activation(projection(norm(x)))``: a pre-norm, the projection that reads it and the activation
+    after it (:data:`ACTIVATIONS`). With the norm's fused CPU kernel in use (a float32 CPU model) and
+    float32 operands, one kernel (``nvchat_cpu.norm_linear``: the norm, the BLAS product torch's linear
+    makes, the activation on the output in cache); otherwise those ops. ``weight``: the projection's
+    ``[out, in]`` matrix where ``projection`` is not a linear (a kernel-1 conv's); its bias is used."""
+    if isinstance(norm, FusedNorm) and norm.cpu_kernels and cpu_kernels.blas():
+        # a packed or quantized projection has no float32 ``weight``: the composite ops
+        w, bias = getattr(projection, "weight", None) if weight is None else weight, projection.bias
+        if isinstance(w, torch.Tensor) and cpu_kernels.usable(x, w) and (bias is None or cpu_kernels.usable(bias)):
+            return torch.ops.nvchat_cpu.norm_linear(x, *norm.norm_spec(), w, bias, activation)
+    h = x if norm is None else norm(x)
+    return ACTIVATIONS[activation](projection(h) if weight is None else linear(h, weight, projection.bias))
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and checkpoint keys) computing with :func:`linear`."""
 
@@ -138,8 +198,16 @@ class Conv2d(nn.Conv2d):
         return _conv(self, x)
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(nn.LayerNorm, FusedNorm):
     """``nn.LayerNorm`` in the promoted dtype of the input and its affine parameters."""
+
+    def use_cpu_kernels(self) -> None:  # fused into the projection after it (norm_linear)
+        register_float32(self, "weight_f32", self.weight)
+        register_float32(self, "bias_f32", self.bias)
+        self.cpu_kernels = True
+
+    def norm_spec(self) -> tuple:
+        return "layer", self.weight_f32, self.bias_f32, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = promoted(x, self.weight, self.bias)
@@ -234,25 +302,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if weight is None else y * weight
 
 
-class FusedOnCpu:
-    """A module with a fused CPU step (:mod:`~nvchat_torch.cpu_kernels`): ``prepare()`` calls
-    :meth:`use_cpu_kernels` on a float32 CPU model, and the module then takes its fused op on the
-    activations that op accepts (float32, contiguous CPU tensors), the composite code otherwise."""
-
-    cpu_kernels = False
-
-    def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = True
-
-
-def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-    """``module.<name>``: ``tensor`` as the fused CPU kernels take it, float32 (a non-persistent buffer;
-    the same tensor if it is float32 already, else an exact upcast of a small bf16 vector, which the
-    composite code promoted on every call against float32 activations)."""
-    module.register_buffer(name, None if tensor is None else tensor.detach().float(), persistent=False)
-
-
-class RMSNorm(nn.Module, FusedOnCpu):
+class RMSNorm(nn.Module, FusedNorm):
     """``x / rms(x) * weight`` as :func:`rms_norm` (Nemotron-H)."""
 
     def __init__(self, size: int, eps: float):
@@ -263,6 +313,9 @@ class RMSNorm(nn.Module, FusedOnCpu):
     def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
         register_float32(self, "weight_f32", self.weight)
         self.cpu_kernels = True
+
+    def norm_spec(self) -> tuple:
+        return "rms", self.weight_f32, None, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels and cpu_kernels.usable(x):  # float32 activations (a bf16 weight promotes exactly)
@@ -300,7 +353,7 @@ class OffsetRMSNorm(nn.Module):
         return residual + self(x)
 
 
-class PrecomputedOffsetRMSNorm(OffsetRMSNorm, FusedOnCpu):
+class PrecomputedOffsetRMSNorm(OffsetRMSNorm, FusedNorm):
     """``prepare()``'s swap for :class:`OffsetRMSNorm`: ``1 + weight`` computed once for activations of
     ``dtype``, the same values stored in the dtype they are used in (float32, or in the fast mode's
     bf16 the Gemma norm's own sum)."""
@@ -315,6 +368,9 @@ class PrecomputedOffsetRMSNorm(OffsetRMSNorm, FusedOnCpu):
 
     def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
         self.cpu_kernels = self.scale.dtype == torch.float32
+
+    def norm_spec(self) -> tuple:
+        return "rms", self.scale, None, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels and cpu_kernels.usable(x):

@@ -45,7 +45,7 @@ class MoGLayer(nn.Module):
         self.post_norm = OffsetRMSNorm(hidden_size, eps, fp32=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_norm.add_to(x, self.mlp(self.pre_norm(x)))
+        return self.post_norm.add_to(x, self.mlp(x, self.pre_norm))
 
 
 def sample_component(logits: torch.Tensor, top_p: float, generator: Generators) -> torch.Tensor:

@@ -31,8 +31,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TextConfig
-from .layers import (REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, promote, register_float32, rms_norm,
-                     silu, swap_modules)
+from .layers import (REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, norm_linear, promote, register_float32,
+                     rms_norm, silu, swap_modules)
 from .quant import QuantizedLinear, fuse_linears
 
 __all__ = [
@@ -344,10 +344,11 @@ class NemotronHMamba2Mixer(nn.Module):
         return cb.unsqueeze(-1) * dtx + decay.unsqueeze(-1) * y_prev
 
     def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
         """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
-        ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`)."""
-        y = self.mix(self.in_proj(x), cache)
+        ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`); ``norm``:
+        the block's pre-norm, applied to x here (fused with ``in_proj`` on a CPU, as in every mixer)."""
+        y = self.mix(norm_linear(norm, x, self.in_proj), cache)
         return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
 
     def mix(self, projected: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
@@ -430,15 +431,16 @@ class NemotronHAttention(nn.Module):
         self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries, keys and values of ``x``."""
+    def project(self, x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of ``norm(x)``."""
+        x = x if norm is None else norm(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, rows: LanguageRows | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
         b, L, _ = x.shape
         kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, norm)
         k = k.view(b, L, kv, d).transpose(1, 2)
         v = v.view(b, L, kv, d).transpose(1, 2)
         if rows is not None:
@@ -467,24 +469,20 @@ class FusedNemotronHAttention(NemotronHAttention):
         adopt(self, attention)
         fuse_linears(self, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, ...]:
         d = self.head_dim
-        return self.qkv_proj(x).split((self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d), dim=-1)
+        qkv = norm_linear(norm, x, self.qkv_proj)
+        return qkv.split((self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d), dim=-1)
 
 
-class NemotronHMLP(nn.Module, FusedOnCpu):  # fused on a CPU: relu^2 as one kernel
+class NemotronHMLP(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.up_proj(x)
-        if self.cpu_kernels and cpu_kernels.usable(h):
-            h = torch.ops.nvchat_cpu.relu_square(h)
-        else:
-            h = torch.relu(h)
-            h = h * h  # relu^2; .square() is pow(h, 2), the same products, but it dispatches a result_type each
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
+        h = norm_linear(norm, x, self.up_proj, "relu_square")  # relu(up(norm(x)))^2, one kernel on a CPU
         return self.down_proj(h) if residual is None else add_linear(residual, self.down_proj, h)
 
 
@@ -505,10 +503,9 @@ class NemotronHBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: MambaCache | KVCache | None = None,
                 rows: LanguageRows | None = None) -> torch.Tensor:
-        h = self.norm(x)
-        if self.block_type == "-":
-            return self.mixer(h, residual=x)
-        return self.mixer(h, cache, rows, residual=x)
+        if self.block_type == "-":  # the norm is applied by the mixer, with its first projection
+            return self.mixer(x, residual=x, norm=self.norm)
+        return self.mixer(x, cache, rows, residual=x, norm=self.norm)
 
 
 # --------------------------------------------------------------------------------------

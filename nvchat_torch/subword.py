@@ -72,7 +72,7 @@ class CharEncoderLayer(nn.Module):
                 valid: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(self.pre_self_attn_layernorm(x), batch, length, cos, sin, valid)
         x = x + self.post_self_attn_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(x, self.pre_feedforward_layernorm))
 
 
 class CharEncoder(nn.Module):

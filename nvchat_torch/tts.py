@@ -263,7 +263,7 @@ class FusedEarTTS(EarTTS, FusedOnCpu):
         return self.rvq_float[:, :-1], self.rvq_sq_norms
 
     def use_cpu_kernels(self) -> None:  # fused on a CPU: a draw's assignment as one kernel
-        self.cpu_kernels = cpu_kernels.usable(self.rvq_float, self.rvq_sq_norms)
+        self.cpu_kernels = cpu_kernels.blas() and cpu_kernels.usable(self.rvq_float, self.rvq_sq_norms)
 
     def assign(self, residual: torch.Tensor, start: int, count: int, decided: torch.Tensor | None,
                accumulate: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -32,6 +32,24 @@ def test_the_kernels_build_and_pass_their_self_test():
     # CI has a C++ compiler (.ci/run installs one): the default CPU path must be the fused one there
     assert cpu_kernels.status() is None
     assert cpu_kernels._self_test() is None
+    assert cpu_kernels.blas()  # torch's BLAS reached: the norm + projection kernels run too
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_fused_projection_computes_as_torch_linear(rows):
+    """norm_linear's product is torch's own BLAS call: without a norm or activation it equals F.linear bit
+    for bit (with and without a bias, at widths MKL blocks); with them, the composite ops within rounding."""
+    ops, g = torch.ops.nvchat_cpu, torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(rows, 1, 320, generator=g), torch.randn(1030, 320, generator=g), torch.randn(1030, generator=g)
+    assert torch.equal(ops.norm_linear(x, "", None, None, 0.0, w, b, ""), F.linear(x, w, b))
+    assert torch.equal(ops.norm_linear(x, "", None, None, 0.0, w, None, ""), F.linear(x, w))
+    lw, lb = torch.randn(320, generator=g), torch.randn(320, generator=g)
+    torch.testing.assert_close(ops.norm_linear(x, "layer", lw, lb, 1e-5, w, b, "silu"),
+                               F.silu(F.linear(F.layer_norm(x, (320,), lw, lb, 1e-5), w, b)), rtol=1e-5, atol=1e-5)
+    gate, up = F.linear(F.rms_norm(x, (320,), lw, 1e-6), w).chunk(2, -1)
+    out = ops.norm_linear(x, "rms", lw, None, 1e-6, w, None, "gelu_tanh_mul")
+    assert out.shape == (rows, 1, 515)
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-4)
 
 
 def frames_of(model, wave: np.ndarray, deterministic: bool, seed: int = 0) -> tuple[list, int]:
@@ -135,8 +153,15 @@ def test_bad_inputs_get_an_error_naming_what_is_wrong():
         ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), None, 1e-6)
     with pytest.raises(RuntimeError, match="weight has 3 at dim 0, expected 4"):
         ops.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-6)
+    w = torch.zeros(6, 4)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
-        ops.relu_square(torch.zeros(4, 4).t())
+        ops.norm_linear(torch.zeros(4, 4).t(), "", None, None, 0.0, w, None, "")
+    with pytest.raises(RuntimeError, match="weight has 4 at dim 1, expected 5"):
+        ops.norm_linear(torch.zeros(2, 5), "", None, None, 0.0, w, None, "")
+    with pytest.raises(RuntimeError, match="unknown activation 'gelu'"):
+        ops.norm_linear(torch.zeros(2, 4), "rms", None, None, 1e-6, w, None, "gelu")
+    with pytest.raises(RuntimeError, match="norm_weight has 3 at dim 0, expected 4"):
+        ops.norm_linear(torch.zeros(2, 4), "layer", torch.ones(3), None, 1e-5, w, None, "")
     with pytest.raises(RuntimeError, match="rvq_assign: quantizers 3..5"):
         ops.rvq_assign(torch.zeros(1, 5), torch.zeros(4, 16, 5), torch.zeros(4, 16), None, 3, 2)
     # and the op still works after an error
