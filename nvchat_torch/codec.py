@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import CodecConfig
-from .layers import (REDUCED, Conv1d, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus,
+from .layers import (REDUCED, Conv1d, FusedOnCpu, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus,
                      squared_norms, swap_modules, var_last)
 
 __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer",
@@ -256,7 +257,7 @@ def _dft_tables(n_fft: int, device: torch.device | str | None) -> tuple[torch.Te
     return cos, sin
 
 
-class Codec(nn.Module):
+class Codec(nn.Module, FusedOnCpu):
     """The 22.05 kHz, 31-codebook codec (``tts_model.audio_codec``)."""
 
     def __init__(self, config: CodecConfig):
@@ -335,12 +336,13 @@ class Codec(nn.Module):
         the hop, and divided by the window-square envelope (``envelope``: precomputed for N frames).
         """
         frames = torch.matmul(self.synthesis_basis, spectrum)  # [B, n_fft, N]
-        bound = self.window[:, None]
-        frames = torch.clamp(frames, -bound, bound)
-        waveform = F.conv_transpose1d(frames, self.ola_kernel, stride=self.config.hop_length)
         if envelope is None:
             envelope = self._envelope(spectrum.shape[-1])
-        return waveform / envelope
+        if self.cpu_kernels and cpu_kernels.usable(frames, envelope):  # clamp, window, overlap-add, divide: one op
+            return torch.ops.nvchat_cpu.overlap_add(frames, self.window, envelope, self.config.hop_length)
+        bound = self.window[:, None]
+        frames = torch.clamp(frames, -bound, bound)
+        return F.conv_transpose1d(frames, self.ola_kernel, stride=self.config.hop_length) / envelope
 
     # ---- decoding
 

@@ -11,91 +11,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include "cpu_kernels.h"
+
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 namespace {
-
-// A sum the compiler may split into vector lanes (-fopenmp-simd: no OpenMP runtime): a different order
-// of float additions than left to right, as ATen's vectorized sums have too.
-#define NVCHAT_SIMD_SUM(var) _Pragma(NVCHAT_STR(omp simd reduction(+ : var)))
-#define NVCHAT_STR(x) #x
-
-void check(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "nvchat_cpu: ", name,
-              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "nvchat_cpu: ", name, " must be contiguous");
-  TORCH_CHECK(t.dim() == dim, "nvchat_cpu: ", name, " must have ", dim, " dims, got ", t.sizes());
-}
-
-void check_size(const at::Tensor& t, const char* name, int64_t axis, int64_t size) {
-  TORCH_CHECK(t.size(axis) == size, "nvchat_cpu: ", name, " has ", t.size(axis), " at dim ", axis,
-              ", expected ", size, " (shape ", t.sizes(), ")");
-}
-
-// An optional 1-D float32 vector of ``size`` entries (a bias, a norm weight): its data, or nullptr.
-const float* optional_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t size) {
-  if (!t.has_value() || !t->defined()) return nullptr;
-  check(*t, name, 1);
-  check_size(*t, name, 0, size);
-  return t->data_ptr<float>();
-}
-
-inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
-// torch's softplus (beta 1, threshold 20)
-inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
-inline float clamp_keep_nan(float v, const c10::optional<double>& lo, const c10::optional<double>& hi) {
-  if (lo.has_value() && v < *lo) return static_cast<float>(*lo);
-  if (hi.has_value() && v > *hi) return static_cast<float>(*hi);
-  return v;
-}
-
-// The BLAS torch links (MKL, OpenBLAS or Accelerate) does the matrix products, as torch's own linear
-// and addmm do: weak, so a torch without an exported sgemm_ still loads the other ops (blas_available).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc) __attribute__((weak));
-
-bool blas_available() { return sgemm_ != nullptr; }
-
-// C [rows, n] = alpha * A [rows, k] @ W [n, k]^T + beta * C, all row-major with contiguous rows (A's
-// rows ``lda`` apart): column-major, C^T = W^T^T A^T, torch's call for a linear's row-major output.
-void gemm_rows(const float* A, int64_t lda, const float* W, float* C, int64_t rows, int64_t n, int64_t k,
-               float alpha, float beta) {
-  TORCH_CHECK(blas_available(), "nvchat_cpu: this torch build exports no BLAS sgemm_");
-  TORCH_CHECK(rows < INT32_MAX && n < INT32_MAX && k < INT32_MAX && lda < INT32_MAX,
-              "nvchat_cpu: a matrix product over 2^31 rows or columns");
-  const char ta = 'T', tb = 'N';
-  const int m_ = static_cast<int>(n), n_ = static_cast<int>(rows), k_ = static_cast<int>(k);
-  const int lda_ = static_cast<int>(k > 0 ? k : 1), ldb_ = static_cast<int>(lda > 0 ? lda : 1),
-            ldc_ = static_cast<int>(n > 0 ? n : 1);
-  if (rows == 0 || n == 0) return;
-  sgemm_(&ta, &tb, &m_, &n_, &k_, &alpha, W, &lda_, A, &ldb_, &beta, C, &ldc_);
-}
-
-// LayerNorm's statistics of a row: its mean and 1 / sqrt(biased variance + eps)
-inline std::pair<float, float> row_moments(const float* v, int64_t d, float eps) {
-  float mean = 0.f;
-  NVCHAT_SIMD_SUM(mean)
-  for (int64_t c = 0; c < d; ++c) mean += v[c];
-  mean /= static_cast<float>(d);
-  float var = 0.f;
-  NVCHAT_SIMD_SUM(var)
-  for (int64_t c = 0; c < d; ++c) var += (v[c] - mean) * (v[c] - mean);
-  return {mean, 1.f / std::sqrt(var / static_cast<float>(d) + eps)};
-}
-
-inline float gelu_tanh(float v) {
-  // 0.5 v (1 + tanh(z)) as v sigmoid(2 z): one exp (libm's tanh costs ~30 ns an element)
-  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-  return v / (1.f + std::exp(-2.f * (beta * (v + kappa * v * v * v))));
-}
 
 // One token of the Mamba-2 mixer after its input projection, for B rows at once:
 //   projected [B, pad + d_inner + conv_dim + H] = [padding | z | xBC | dt]
@@ -243,9 +165,7 @@ std::tuple<at::Tensor, at::Tensor> rvq_assign(const at::Tensor& residual, const 
     gemm_rows(left.data(), L, book, dist.data(), Bn, K, L, -2.f, 1.f);
     for (int64_t b = 0; b < Bn; ++b) {
       const float* d = dist.data() + b * K;
-      int64_t best = 0;
-      for (int64_t k = 1; k < K && !std::isnan(d[best]); ++k)  // the first minimum; a NaN wins, as argmin's
-        if (d[k] < d[best] || std::isnan(d[k])) best = k;
+      const int64_t best = first_argmin(d, K);
       idx[b * count + (q - start)] = best;
       const float* row = book + best * L;
       float* acc = out + b * L;
@@ -263,20 +183,6 @@ std::tuple<at::Tensor, at::Tensor> rvq_assign(const at::Tensor& residual, const 
   return {index, sum};
 }
 
-void rms_rows(const float* x, const float* w, const float* residual, float* o, int64_t rows, int64_t d, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* v = x + r * d;
-    float sq = 0.f;
-    NVCHAT_SIMD_SUM(sq)
-    for (int64_t i = 0; i < d; ++i) sq += v[i] * v[i];
-    const float s = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
-    float* out = o + r * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const float n = w ? v[i] * s * w[i] : v[i] * s;
-      out[i] = residual ? residual[r * d + i] + n : n;
-    }
-  }
-}
 
 // x / rms(x) * weight over the last dim (weight optional), and the same added to ``residual``
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
@@ -538,16 +444,59 @@ at::Tensor norm_linear(const at::Tensor& x, c10::string_view norm, const c10::op
   if (bs)
     for (int64_t r = 0; r < rows; ++r) std::copy(bs, bs + n, y + r * n);
   gemm_rows(src, in, weight.data_ptr<float>(), y, rows, n, in, 1.f, bs ? 1.f : 0.f);
-  const int64_t total = rows * n;
-  if (activation == "silu") {
-    for (int64_t i = 0; i < total; ++i) y[i] = silu(y[i]);
-  } else if (activation == "relu_square") {
-    for (int64_t i = 0; i < total; ++i) y[i] = y[i] > 0.f ? y[i] * y[i] : 0.f;
-  } else if (gated) {
-    float* o = out.data_ptr<float>();
-    const int64_t h = n / 2;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < h; ++i) o[r * h + i] = gelu_tanh(y[r * n + i]) * y[r * n + h + i];
+  if (activation == "silu") silu_inplace(y, rows * n);
+  if (activation == "relu_square") relu_square_inplace(y, rows * n);
+  if (gated) gelu_tanh_mul_rows(y, out.data_ptr<float>(), rows, n / 2);
+  return out;
+}
+
+// A depthwise conv over the last axis, stride 1, no padding: x [B, C, T], taps [C, K], bias [C]
+// (optional) -> [B, C, T - K + 1] (the codec's ConvNeXt convs over a step's window; each output the
+// bias plus its K products in order)
+at::Tensor depthwise_conv1d(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias) {
+  check(x, "x", 3);
+  check(taps, "taps", 2);
+  const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = taps.size(1);
+  check_size(taps, "taps", 0, C);
+  TORCH_CHECK(K >= 1 && T >= K, "nvchat_cpu: depthwise_conv1d: ", T, " frames for a kernel of ", K);
+  const float* bs = optional_vector(bias, "bias", C);
+  const int64_t T_out = T - K + 1;
+  at::Tensor out = at::empty({B, C, T_out}, x.options());
+  const float *in = x.data_ptr<float>(), *w = taps.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t bc = 0; bc < B * C; ++bc) {
+    const int64_t c = bc % C;
+    const float *row = in + bc * T, *tap = w + c * K;
+    float* y = o + bc * T_out;
+    std::fill(y, y + T_out, bs ? bs[c] : 0.f);
+    for (int64_t k = 0; k < K; ++k)  // tap by tap: each pass vectorizes over the outputs
+      for (int64_t t = 0; t < T_out; ++t) y[t] += row[t + k] * tap[k];
+  }
+  return out;
+}
+
+// The iSTFT's overlap-add of frames [B, n, N] (hop ``hop``): each frame clamped to [-w, w] and
+// multiplied by the window w [n], summed at its offset, and divided by the window-square envelope
+// [(N - 1) hop + n] -> [B, 1, (N - 1) hop + n]
+at::Tensor overlap_add(const at::Tensor& frames, const at::Tensor& window, const at::Tensor& envelope, int64_t hop) {
+  check(frames, "frames", 3);
+  check(window, "window", 1);
+  const int64_t B = frames.size(0), n = frames.size(1), N = frames.size(2), L = (N - 1) * hop + n;
+  check_size(window, "window", 0, n);
+  TORCH_CHECK(hop >= 1 && N >= 1, "nvchat_cpu: overlap_add: hop ", hop, ", ", N, " frames");
+  check(envelope, "envelope", envelope.dim());
+  TORCH_CHECK(envelope.numel() == L, "nvchat_cpu: overlap_add: envelope of ", envelope.numel(), " samples for ", L);
+  at::Tensor out = at::empty({B, 1, L}, frames.options());
+  const float *f = frames.data_ptr<float>(), *w = window.data_ptr<float>(), *env = envelope.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  std::fill(o, o + B * L, 0.f);
+  for (int64_t b = 0; b < B; ++b) {
+    float* y = o + b * L;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* fi = f + (b * n + i) * N;
+      for (int64_t t = 0; t < N; ++t) y[t * hop + i] += std::min(std::max(fi[t], -w[i]), w[i]) * w[i];
+    }
+    for (int64_t s = 0; s < L; ++s) y[s] /= env[s];
   }
   return out;
 }
@@ -566,7 +515,9 @@ TORCH_LIBRARY(nvchat_cpu, m) {
         "Tensor? mask, int length, float scale) -> Tensor");
   m.def("gemma_qk_step(Tensor qkv, Tensor qk_scale, Tensor rotation, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor slots, float eps) -> Tensor");
-  m.def("blas_available() -> bool", &blas_available);  // no tensor: one kernel for every dispatch key
+  m.def("blas_available() -> bool", &blas_available);
+  m.def("depthwise_conv1d(Tensor x, Tensor taps, Tensor? bias) -> Tensor");
+  m.def("overlap_add(Tensor frames, Tensor window, Tensor envelope, int hop) -> Tensor");  // no tensor: one kernel for every dispatch key
   m.def("norm_linear(Tensor x, str norm, Tensor? norm_weight, Tensor? norm_bias, float eps, Tensor weight, "
         "Tensor? bias, str activation) -> Tensor");
   m.def("conv_module_step(Tensor projected, Tensor state, Tensor weight, Tensor? bias, Tensor norm_weight, "
@@ -580,6 +531,8 @@ TORCH_LIBRARY_IMPL(nvchat_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("conv_module_step", &conv_module_step);
   m.impl("norm_linear", &norm_linear);
+  m.impl("depthwise_conv1d", &depthwise_conv1d);
+  m.impl("overlap_add", &overlap_add);
   m.impl("gemma_qk_step", &gemma_qk_step);
   m.impl("conformer_attention_step", &conformer_attention_step);
 }

@@ -172,15 +172,26 @@ def pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y if bias is None else y + bias
 
 
-class Conv1d(nn.Conv1d):
+class Conv1d(nn.Conv1d, FusedOnCpu):
     """``nn.Conv1d`` computed as MLX's (see :func:`_conv`). A depthwise conv over exactly its kernel's
     width (a streaming step's window, one output frame) in float32 is a batched matmul over the
     channels instead, ``bias + window . weight`` per channel, one kernel either way: torch's CPU conv
     (oneDNN) spends ~180 us setting up each such call against ~10 us for the matmul (measured,
-    docs/performance.md), and the step has one per Mamba and Conformer layer."""
+    docs/performance.md), and the step has one per Mamba and Conformer layer. On a float32 CPU model
+    any unpadded depthwise conv is one fused kernel (the codec's, over a step's window)."""
+
+    def use_cpu_kernels(self) -> None:
+        c, k = self.in_channels, self.kernel_size[0]
+        self.cpu_kernels = self.groups == c == self.out_channels and self.padding == (0,) \
+            and self.stride == (1,) and self.dilation == (1,)
+        if self.cpu_kernels:
+            register_float32(self, "taps", self.weight.view(c, k))
+            register_float32(self, "bias_f32", self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, k = self.in_channels, self.kernel_size[0]
+        if self.cpu_kernels and x.dim() == 3 and x.shape[-1] >= k and cpu_kernels.usable(x):
+            return torch.ops.nvchat_cpu.depthwise_conv1d(x, self.taps, self.bias_f32)
         if self.groups == c == self.out_channels and x.shape[-1] == k and self.padding == (0,) \
                 and promoted(x, self.weight, self.bias) == torch.float32:
             window = x.permute(1, 0, 2)  # [C, B, K]

@@ -162,6 +162,10 @@ def test_bad_inputs_get_an_error_naming_what_is_wrong():
         ops.norm_linear(torch.zeros(2, 4), "rms", None, None, 1e-6, w, None, "gelu")
     with pytest.raises(RuntimeError, match="norm_weight has 3 at dim 0, expected 4"):
         ops.norm_linear(torch.zeros(2, 4), "layer", torch.ones(3), None, 1e-5, w, None, "")
+    with pytest.raises(RuntimeError, match="depthwise_conv1d: 3 frames for a kernel of 4"):
+        ops.depthwise_conv1d(torch.zeros(1, 2, 3), torch.zeros(2, 4), None)
+    with pytest.raises(RuntimeError, match="overlap_add: envelope of 5 samples for 12"):
+        ops.overlap_add(torch.zeros(1, 4, 5), torch.ones(4), torch.ones(5), 2)
     with pytest.raises(RuntimeError, match="rvq_assign: quantizers 3..5"):
         ops.rvq_assign(torch.zeros(1, 5), torch.zeros(4, 16, 5), torch.zeros(4, 16), None, 3, 2)
     # and the op still works after an error
