@@ -44,7 +44,7 @@ def steady_state_frame(path, deterministic: bool) -> tuple[int, int]:
 
 
 # Non-view ATen ops (kernels) of a steady-state deep-preset frame with the fused CPU kernels (the
-# default on a CPU; measured 1,105 deterministic and 1,175 sampling, docs/performance.md): issue 21's
+# default on a CPU; measured 1,102 deterministic and 1,172 sampling, docs/performance.md): issue 21's
 # target. Without them (tests/test_cpu_kernels.py) the composite code stays within its old budget, 2,500.
 FRAME_OPS = 1200
 
