@@ -23,7 +23,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import ConformerConfig
-from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, norm_linear, promoted, register_float32,
+from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, norm_linear, promoted,
                      swap_modules)
 from .layers import linear as promoted_linear
 from .quant import concat_linears
@@ -212,12 +212,8 @@ class ConvModule(nn.Module, FusedOnCpu):
 
     def use_cpu_kernels(self) -> None:
         """On a float32 CPU model (``prepare()``): GLU, the depthwise conv with its state, the norm and
-        SiLU as one fused kernel, with the small parameters in float32 (:func:`~nvchat_torch.layers.register_float32`)."""
-        register_float32(self, "depthwise_taps", self.depthwise_conv.weight.view(self.depthwise_conv.out_channels,
-                                                                                 self.kernel_size))
-        register_float32(self, "depthwise_bias_f32", self.depthwise_conv.bias)
-        register_float32(self, "norm_weight_f32", self.batch_norm.weight)
-        register_float32(self, "norm_bias_f32", self.batch_norm.bias)
+        SiLU as one fused kernel, taking the float32 parameters the conv and the norm keep for their own
+        fused ops (``prepare()`` gives them theirs too)."""
         self.cpu_kernels = self.batch_norm.bias is not None
 
     def _fused_step(self, x: torch.Tensor, norm: nn.Module, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,9 +223,9 @@ class ConvModule(nn.Module, FusedOnCpu):
             state = state.float().contiguous()
         projected = norm_linear(norm, x, self.pointwise_conv1, weight=self.pointwise_conv1.weight[..., 0])
         b = x.shape[0]
-        h, state = torch.ops.nvchat_cpu.conv_module_step(projected.view(b, -1), state, self.depthwise_taps,
-                                                  self.depthwise_bias_f32, self.norm_weight_f32,
-                                                  self.norm_bias_f32, self.batch_norm.eps)
+        conv, norm = self.depthwise_conv, self.batch_norm
+        h, state = torch.ops.nvchat_cpu.conv_module_step(projected.view(b, -1), state, conv.taps, conv.bias_f32,
+                                                         norm.weight_f32, norm.bias_f32, norm.eps)
         return add_linear(x, self.pointwise_conv2, h.view(b, 1, -1), weight=self.pointwise_conv2.weight[..., 0]), state
 
 

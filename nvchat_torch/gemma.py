@@ -57,9 +57,6 @@ class FusedGatedMLP(GatedMLP):
         adopt(self, mlp)
         fuse_linears(self, ["gate_proj", "up_proj"], "gate_up_proj")
 
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.gate_up_proj(x).chunk(2, dim=-1)
-
     def gated(self, x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
         return norm_linear(norm, x, self.gate_up_proj, "gelu_tanh_mul")
 

@@ -181,12 +181,13 @@ class Conv1d(nn.Conv1d, FusedOnCpu):
     any unpadded depthwise conv is one fused kernel (the codec's, over a step's window)."""
 
     def use_cpu_kernels(self) -> None:
+        """A depthwise conv's float32 taps ``[C, K]`` and bias, for its fused op and for the fused steps
+        that contain it (the Mamba step, the Conformer convolution module)."""
         c, k = self.in_channels, self.kernel_size[0]
-        self.cpu_kernels = self.groups == c == self.out_channels and self.padding == (0,) \
-            and self.stride == (1,) and self.dilation == (1,)
-        if self.cpu_kernels:
+        if self.groups == c == self.out_channels:
             register_float32(self, "taps", self.weight.view(c, k))
             register_float32(self, "bias_f32", self.bias)
+            self.cpu_kernels = self.padding == (0,) and self.stride == (1,) and self.dilation == (1,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, k = self.in_channels, self.kernel_size[0]

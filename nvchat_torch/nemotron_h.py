@@ -392,9 +392,9 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
 
     def use_cpu_kernels(self) -> None:
         """Take the fused step on float32 activations, with its small parameters in float32 (see
-        :func:`~nvchat_torch.layers.register_float32`); the conv taps as ``[C, K]``."""
-        for name, t in (("conv_taps", self.conv1d.weight.view(self.conv_dim, self.kernel)), ("D_f32", self.D),
-                        ("conv_bias_f32", self.conv1d.bias), ("dt_bias_f32", self.dt_bias), ("norm_weight_f32", self.norm.weight)):
+        :func:`~nvchat_torch.layers.register_float32`); the conv's taps ``[C, K]`` and bias are the ones
+        :class:`~nvchat_torch.layers.Conv1d` keeps (``prepare()`` gives it them too)."""
+        for name, t in (("D_f32", self.D), ("dt_bias_f32", self.dt_bias), ("norm_weight_f32", self.norm.weight)):
             register_float32(self, name, t)
         self.cpu_kernels = True
 
@@ -406,8 +406,8 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
         if not cache.conv_state.is_contiguous():  # a batched prefill's state is a view of its window
             cache.conv_state = cache.conv_state.contiguous()
         pad = width - (self.d_inner + self.conv_dim + self.num_heads)
-        y, cache.conv_state = torch.ops.nvchat_cpu.mamba_step(projected.view(b, width), cache.conv_state, self.conv_taps,
-                                            self.conv_bias_f32, self.dt_bias_f32, self.A, self.D_f32, self.norm_weight_f32,
+        y, cache.conv_state = torch.ops.nvchat_cpu.mamba_step(projected.view(b, width), cache.conv_state, self.conv1d.taps,
+                                            self.conv1d.bias_f32, self.dt_bias_f32, self.A, self.D_f32, self.norm_weight_f32,
                                             cache.ssm_state, pad, self.n_groups, self.norm.groups, self.norm.eps,
                                             self.dt_min, self.dt_max)
         cache.offset += 1
