@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -304,6 +304,8 @@ class Connection(ItemEvents, ResponseEvents):
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             crash = next((t.exception() for t in done if not t.cancelled() and t.exception() is not None), None)
+            if isinstance(crash, WebSocketDisconnect):  # the client left while an event was being sent to it:
+                crash = None  # a disconnect, as the reader's own, not a failure of ours
         finally:
             for task in tasks:
                 task.cancel()
