@@ -49,13 +49,14 @@ class ChannelLayerNorm(nn.LayerNorm):
         return normalized * self.weight + self.bias
 
 
-class ConvNeXtBlock(nn.Module):
+class ConvNeXtBlock(nn.Module, FusedOnCpu):
     """``x + pwconv2(gelu(pwconv1(norm(dwconv(causal_pad(x))))))`` on ``[B, C, T]``.
 
     The depthwise conv is causal: ``kernel - 1`` zero frames on the left, or, when streaming,
     the last ``kernel - 1`` input frames of the previous call. The norm is a LayerNorm over
     channels (biased variance, eps 1e-6); the kernel-1 convs are linears over channels, so the
-    norm and the MLP run channel-last.
+    norm and the MLP run channel-last. On a float32 CPU model the block is one fused op
+    (``convnext_block``: seven kernels, and oneDNN's and the LayerNorm's set-up per row, in one).
     """
 
     def __init__(self, channels: int, kernel_size: int):
@@ -66,9 +67,23 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
+    def use_cpu_kernels(self) -> None:
+        """The fused block where its weights are float32 already (no second copy of the pointwise convs),
+        and torch's BLAS is reachable for them."""
+        self.cpu_kernels = cpu_kernels.blas() and all(p.dtype == torch.float32 for p in self.parameters())
+
     def forward(self, x: torch.Tensor, states: list[torch.Tensor] | None = None, index: int = 0) -> torch.Tensor:
         """``states[index]``: ``[B, C, kernel - 1]`` previous input frames (None: zeros), replaced by this
         call's last ones (a view of the window: one ``cat`` a step, no copy)."""
+        if self.cpu_kernels and cpu_kernels.usable(x):
+            state = x.new_zeros(x.shape[0], x.shape[1], self.context) if states is None else states[index]
+            if cpu_kernels.usable(state):
+                out, state = torch.ops.nvchat_cpu.convnext_block(
+                    x, state, self.dwconv.taps, self.dwconv.bias_f32, self.norm.weight, self.norm.bias, self.norm.eps,
+                    self.pwconv1.weight.squeeze(-1), self.pwconv1.bias, self.pwconv2.weight.squeeze(-1), self.pwconv2.bias)
+                if states is not None:
+                    states[index] = state
+                return out
         if states is None:
             padded = F.pad(x, (self.context, 0))
         else:
@@ -110,6 +125,21 @@ class AudioEncoder(nn.Module):
         return x
 
 
+class Upsample(nn.ConvTranspose1d, FusedOnCpu):
+    """A ConvTranspose1d whose kernel is its stride, without bias (the decoder's upsampling; its weight
+    ``[in, out, k]``): on a float32 CPU model one fused op (``upsample_conv1d``: a BLAS product per row,
+    where oneDNN's set-up grows with the rows)."""
+
+    def use_cpu_kernels(self) -> None:
+        self.cpu_kernels = (cpu_kernels.blas() and self.bias is None and self.weight.dtype == torch.float32
+                            and self.kernel_size == self.stride and self.padding == (0,) and self.groups == 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.cpu_kernels and x.dim() == 3 and cpu_kernels.usable(x):
+            return torch.ops.nvchat_cpu.upsample_conv1d(x, self.weight)
+        return super().forward(x)
+
+
 class AudioDecoder(nn.Module):
     """``[B, latent_dim, T]`` latents -> ``[B, stft_channels, T * prod(rates)]`` spectral features.
 
@@ -123,7 +153,7 @@ class AudioDecoder(nn.Module):
         widths_in = [config.latent_dim] + channels[:-1]
         layers: list[nn.Module] = []
         for width_in, width, rate in zip(widths_in, channels, config.downsample_rates[::-1]):
-            layers.append(nn.ConvTranspose1d(width_in, width, rate, stride=rate, bias=False))
+            layers.append(Upsample(width_in, width, rate, stride=rate, bias=False))
             layers += [ConvNeXtBlock(width, config.block_kernel_size) for _ in range(config.blocks_per_stage)]
         layers.append(Conv1d(channels[-1], config.stft_channels, 1, bias=False))
         self.layers = nn.ModuleList(layers)

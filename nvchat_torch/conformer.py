@@ -168,15 +168,18 @@ class FusedRelPositionAttention(RelPositionAttention, FusedOnCpu):
                      positions: torch.Tensor) -> torch.Tensor:
         """On a float32 CPU model (:meth:`use_cpu_kernels`): the norm and projection as one fused kernel,
         then the ring write, position scores and attention as another (the ring is bounded: left context
-        + 1 slots)."""
-        if not (self.cpu_kernels and cpu_kernels.usable(x, kv, positions)
-                and (rows.mask is None or cpu_kernels.usable(rows.mask))):
-            return super().forward_step(x, norm, kv, rows, positions)
-        b = x.shape[0]
-        out = torch.ops.nvchat_cpu.conformer_attention_step(norm_linear(norm, x, self.linear_quvkv).view(b, -1), kv,
-                                                            rows.batch, rows.slot, positions, rows.mask, rows.length,
-                                                            self.scale)
-        return add_linear(x, self.linear_out, out.view(b, 1, -1))
+        + 1 slots). ``positions``: as :meth:`position_scores` takes them, or this layer's whole table
+        ``[H, hd, D]`` (a fused encoder's step), which the fused op reads at each row's slots' columns."""
+        if positions.dim() == 3:
+            if self.cpu_kernels and cpu_kernels.usable(x, kv, positions) and \
+                    (rows.mask is None or cpu_kernels.usable(rows.mask)):
+                b = x.shape[0]
+                out = torch.ops.nvchat_cpu.conformer_attention_step(
+                    norm_linear(norm, x, self.linear_quvkv).view(b, -1), kv, rows.batch, rows.slot, positions,
+                    rows.columns, rows.mask, rows.length, self.scale)
+                return add_linear(x, self.linear_out, out.view(b, 1, -1))
+            positions = positions[:, :, rows.columns]
+        return super().forward_step(x, norm, kv, rows, positions)
 
 
 class ConvModule(nn.Module, FusedOnCpu):
@@ -342,7 +345,7 @@ class ConformerRows:
     length: int  # the ring slots attended: W, or the filled ones of aligned rows
 
 
-class FastConformer(nn.Module):
+class FastConformer(nn.Module, FusedOnCpu):
     """``forward(mel [1, T, feat_in]) -> [1, T', d_model]``; each of the 3 stride-2 stages (x8) maps
     L -> L // 2 + 1, so the 8N + 1 mel frames of N audio frames give N + 1 encoder frames."""
 
@@ -382,6 +385,9 @@ class FastConformer(nn.Module):
         stream_pos = self.stream_pos.to(self.activation_dtype)
         swap_modules(self, RelPositionAttention, lambda attention: FusedRelPositionAttention(attention, stream_pos))
         self._stack_tables()
+
+    def use_cpu_kernels(self) -> None:  # the fused attention steps read the stacked tables themselves
+        self.cpu_kernels = self.pos_tables is not None
 
     def _stack_tables(self) -> None:
         stream_pos = self.stream_pos.to(self.activation_dtype)
@@ -502,9 +508,14 @@ class FastConformer(nn.Module):
             x = x * self.xscale
         rows = self.rows_for(cache) if rows is None else rows
         # Each row's slots' distance terms, for every layer at once: the stacked tables (fused), or the
-        # shared distance table that each layer then projects.
-        positions = self.pos_tables[:, :, :, rows.columns] if self.pos_tables is not None else \
-            self.stream_pos[rows.columns].expand(len(self.layers), -1, -1, -1)
+        # shared distance table that each layer then projects; the fused CPU step reads each layer's
+        # table at the rows' columns itself (the gather grows with the rows: 70 us at 1, 350 at 8).
+        if self.cpu_kernels:
+            positions = self.pos_tables
+        elif self.pos_tables is not None:
+            positions = self.pos_tables[:, :, :, rows.columns]
+        else:
+            positions = self.stream_pos[rows.columns].expand(len(self.layers), -1, -1, -1)
         for i, (layer, kv) in enumerate(zip(self.layers, cache.kv)):
             x, cache.conv[i] = layer.forward_step(x, kv, cache.conv[i], rows, positions[i])
         cache.frames = n + 1

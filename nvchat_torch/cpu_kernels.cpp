@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "cpu_kernels_codec.h"
 
 #include <string>
 #include <tuple>
@@ -319,26 +320,30 @@ at::Tensor gemma_qk_step(const at::Tensor& qkv, const at::Tensor& qk_scale, cons
 // A Conformer attention step per row, after the fused projection ``quvkv [B, 4d]`` = (q + u, q + v,
 // k, v): the row's key and value written at its ring slot of ``kv [2, B', H, W, hd]`` (row ``batch[r]``,
 // in place), then per head softmax over ring slots ``0 .. length - 1`` of
-// ``scale (q + u).k_j + (q + v).P[h, :, r, j] + mask[r, j]`` (``positions`` P ``[H, hd, B, length]``, the
-// layer's distance table at the row's slots, pre-scaled; ``mask`` additive ``[B, 1, 1, length]``)
-// -> ``[B, d]``. The ring is bounded (left context + 1 slots), so one pass per head is cheap.
+// ``scale (q + u).k_j + (q + v).P[h, :, columns[r, j]] + mask[r, j]`` (``table`` P ``[H, hd, D]``, the
+// layer's distance table, pre-scaled, read at each row's slots' columns ``[B, length]``; ``mask`` additive
+// ``[B, 1, 1, length]``) -> ``[B, d]``. The ring is bounded (left context + 1 slots), so one pass per
+// head is cheap.
 at::Tensor conformer_attention_step(const at::Tensor& quvkv, at::Tensor& kv, const at::Tensor& batch,
-                                    const at::Tensor& slot, const at::Tensor& positions,
+                                    const at::Tensor& slot, const at::Tensor& table, const at::Tensor& columns,
                                     const c10::optional<at::Tensor>& mask, int64_t length, double scale) {
   check(quvkv, "quvkv", 2);
   check(kv, "kv", 5);
-  check(positions, "positions", 4);
+  check(table, "table", 3);
   for (const at::Tensor* t : {&batch, &slot})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
                     t->size(0) == quvkv.size(0),
                 "nvchat_cpu: conformer_attention_step: batch and slot must be [B] int64 CPU tensors");
+  TORCH_CHECK(columns.device().is_cpu() && columns.scalar_type() == at::kLong && columns.is_contiguous() &&
+                  columns.dim() == 2 && columns.size(0) == quvkv.size(0) && columns.size(1) == length,
+              "nvchat_cpu: conformer_attention_step: columns must be [B, length] int64 (contiguous), got ",
+              columns.sizes());
   const int64_t B = quvkv.size(0), rows = kv.size(1), H = kv.size(2), W = kv.size(3), hd = kv.size(4), d = H * hd;
   check_size(kv, "kv", 0, 2);
   check_size(quvkv, "quvkv", 1, 4 * d);
-  check_size(positions, "positions", 0, H);
-  check_size(positions, "positions", 1, hd);
-  check_size(positions, "positions", 2, B);
-  check_size(positions, "positions", 3, length);
+  check_size(table, "table", 0, H);
+  check_size(table, "table", 1, hd);
+  const int64_t D = table.size(2);
   TORCH_CHECK(length > 0 && length <= W, "nvchat_cpu: length ", length, " of ", W, " ring slots");
   const float* add = nullptr;
   if (mask.has_value() && mask->defined()) {
@@ -347,8 +352,11 @@ at::Tensor conformer_attention_step(const at::Tensor& quvkv, at::Tensor& kv, con
     add = mask->data_ptr<float>();
   }
   at::Tensor out = at::empty({B, d}, quvkv.options());
-  const float *in = quvkv.data_ptr<float>(), *P = positions.data_ptr<float>();
-  const int64_t *row_of = batch.data_ptr<int64_t>(), *slot_of = slot.data_ptr<int64_t>();
+  const float *in = quvkv.data_ptr<float>(), *P = table.data_ptr<float>();
+  const int64_t *row_of = batch.data_ptr<int64_t>(), *slot_of = slot.data_ptr<int64_t>(),
+                *column = columns.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * length; ++i)
+    TORCH_CHECK(column[i] >= 0 && column[i] < D, "nvchat_cpu: distance column ", column[i], " of ", D);
   float *Kv = kv.data_ptr<float>(), *o = out.data_ptr<float>();
   const int64_t plane = rows * H * W * hd;  // keys, then values
   for (int64_t r = 0; r < B; ++r) {
@@ -374,7 +382,8 @@ at::Tensor conformer_attention_step(const at::Tensor& quvkv, at::Tensor& kv, con
         float content = 0.f, position = 0.f;
         NVCHAT_SIMD_SUM(content)
         for (int64_t c = 0; c < hd; ++c) content += qu[c] * k[c];
-        for (int64_t c = 0; c < hd; ++c) position += qv[c] * P[((h * hd + c) * B + r) * length + j];
+        const float* at = P + h * hd * D + column[r * length + j];
+        for (int64_t c = 0; c < hd; ++c) position += qv[c] * at[c * D];
         float score = content * static_cast<float>(scale) + position;
         if (add != nullptr) score += add[r * length + j];
         scores[j] = score;
@@ -450,57 +459,6 @@ at::Tensor norm_linear(const at::Tensor& x, c10::string_view norm, const c10::op
   return out;
 }
 
-// A depthwise conv over the last axis, stride 1, no padding: x [B, C, T], taps [C, K], bias [C]
-// (optional) -> [B, C, T - K + 1] (the codec's ConvNeXt convs over a step's window; each output the
-// bias plus its K products in order)
-at::Tensor depthwise_conv1d(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias) {
-  check(x, "x", 3);
-  check(taps, "taps", 2);
-  const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = taps.size(1);
-  check_size(taps, "taps", 0, C);
-  TORCH_CHECK(K >= 1 && T >= K, "nvchat_cpu: depthwise_conv1d: ", T, " frames for a kernel of ", K);
-  const float* bs = optional_vector(bias, "bias", C);
-  const int64_t T_out = T - K + 1;
-  at::Tensor out = at::empty({B, C, T_out}, x.options());
-  const float *in = x.data_ptr<float>(), *w = taps.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for (int64_t bc = 0; bc < B * C; ++bc) {
-    const int64_t c = bc % C;
-    const float *row = in + bc * T, *tap = w + c * K;
-    float* y = o + bc * T_out;
-    std::fill(y, y + T_out, bs ? bs[c] : 0.f);
-    for (int64_t k = 0; k < K; ++k)  // tap by tap: each pass vectorizes over the outputs
-      for (int64_t t = 0; t < T_out; ++t) y[t] += row[t + k] * tap[k];
-  }
-  return out;
-}
-
-// The iSTFT's overlap-add of frames [B, n, N] (hop ``hop``): each frame clamped to [-w, w] and
-// multiplied by the window w [n], summed at its offset, and divided by the window-square envelope
-// [(N - 1) hop + n] -> [B, 1, (N - 1) hop + n]
-at::Tensor overlap_add(const at::Tensor& frames, const at::Tensor& window, const at::Tensor& envelope, int64_t hop) {
-  check(frames, "frames", 3);
-  check(window, "window", 1);
-  const int64_t B = frames.size(0), n = frames.size(1), N = frames.size(2), L = (N - 1) * hop + n;
-  check_size(window, "window", 0, n);
-  TORCH_CHECK(hop >= 1 && N >= 1, "nvchat_cpu: overlap_add: hop ", hop, ", ", N, " frames");
-  check(envelope, "envelope", envelope.dim());
-  TORCH_CHECK(envelope.numel() == L, "nvchat_cpu: overlap_add: envelope of ", envelope.numel(), " samples for ", L);
-  at::Tensor out = at::empty({B, 1, L}, frames.options());
-  const float *f = frames.data_ptr<float>(), *w = window.data_ptr<float>(), *env = envelope.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  std::fill(o, o + B * L, 0.f);
-  for (int64_t b = 0; b < B; ++b) {
-    float* y = o + b * L;
-    for (int64_t i = 0; i < n; ++i) {
-      const float* fi = f + (b * n + i) * N;
-      for (int64_t t = 0; t < N; ++t) y[t * hop + i] += std::min(std::max(fi[t], -w[i]), w[i]) * w[i];
-    }
-    for (int64_t s = 0; s < L; ++s) y[s] /= env[s];
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(nvchat_cpu, m) {
@@ -511,12 +469,15 @@ TORCH_LIBRARY(nvchat_cpu, m) {
         "-> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("conformer_attention_step(Tensor quvkv, Tensor(a!) kv, Tensor batch, Tensor slot, Tensor positions, "
-        "Tensor? mask, int length, float scale) -> Tensor");
+  m.def("conformer_attention_step(Tensor quvkv, Tensor(a!) kv, Tensor batch, Tensor slot, Tensor table, "
+        "Tensor columns, Tensor? mask, int length, float scale) -> Tensor");
   m.def("gemma_qk_step(Tensor qkv, Tensor qk_scale, Tensor rotation, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor slots, float eps) -> Tensor");
   m.def("blas_available() -> bool", &blas_available);
   m.def("depthwise_conv1d(Tensor x, Tensor taps, Tensor? bias) -> Tensor");
+  m.def("convnext_block(Tensor x, Tensor state, Tensor taps, Tensor dw_bias, Tensor norm_weight, Tensor norm_bias, "
+        "float eps, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> (Tensor, Tensor)");
+  m.def("upsample_conv1d(Tensor x, Tensor weight) -> Tensor");
   m.def("overlap_add(Tensor frames, Tensor window, Tensor envelope, int hop) -> Tensor");  // no tensor: one kernel for every dispatch key
   m.def("norm_linear(Tensor x, str norm, Tensor? norm_weight, Tensor? norm_bias, float eps, Tensor weight, "
         "Tensor? bias, str activation) -> Tensor");
@@ -533,6 +494,8 @@ TORCH_LIBRARY_IMPL(nvchat_cpu, CPU, m) {
   m.impl("norm_linear", &norm_linear);
   m.impl("depthwise_conv1d", &depthwise_conv1d);
   m.impl("overlap_add", &overlap_add);
+  m.impl("convnext_block", &convnext_block);
+  m.impl("upsample_conv1d", &upsample_conv1d);
   m.impl("gemma_qk_step", &gemma_qk_step);
   m.impl("conformer_attention_step", &conformer_attention_step);
 }

@@ -17,7 +17,10 @@ kernels. These ops are those chains as single C++ loops:
 * ``norm_linear``: a pre-norm (RMS or LayerNorm), the projection that reads it (torch's BLAS, called as
   its linear calls it) and the activation after it (SiLU, relu^2, the Gemma gate) (3 -> 1);
 * ``depthwise_conv1d`` (oneDNN sets up each small conv for longer than it takes) and ``overlap_add`` (the
-  iSTFT's clamp, window, overlap-add and envelope division: 4 -> 1), the codec's;
+  iSTFT's clamp, window, overlap-add and envelope division: 4 -> 1), the codec's; its streaming ConvNeXt
+  block (``convnext_block``: the state's cat, depthwise conv, LayerNorm, pointwise convs by BLAS, exact
+  GELU and residual, 7 -> 1) and its upsampling (``upsample_conv1d``: a transposed conv whose kernel is
+  its stride, as one BLAS product per row, where oneDNN's set-up grows with the rows);
 * ``add_rms_norm`` (2 -> 1) and ``rms_norm`` (torch's CPU ``rms_norm`` is a composite of 13 sub-ops;
   one pass here).
 
@@ -49,7 +52,7 @@ __all__ = ["ENV", "available", "blas", "status", "usable"]
 
 ENV = "NVCHAT_CPU_KERNELS"  # "0": never build or use the fused CPU kernels
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_HEADER = _SOURCE.with_suffix(".h")  # the helpers the source includes
+_HEADERS = [_SOURCE.with_suffix(".h"), _SOURCE.with_name("cpu_kernels_codec.h")]  # what the source includes
 # -fopenmp-simd: the sums' "omp simd" pragmas only (no OpenMP runtime); no -march: the build runs on
 # any CPU of its architecture (the cache folder is per machine type, not per CPU model), and the
 # activation loops are compiled per vector width besides, picked at load by what the CPU reports
@@ -92,7 +95,7 @@ def status() -> str | None:
 def build_directory() -> Path:
     """Where the build lives: one folder per source, torch and Python version and machine, under
     ``TORCH_EXTENSIONS_DIR`` (torch's variable; default ``~/.cache/torch_extensions``)."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + _HEADER.read_bytes())
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in [_SOURCE, *_HEADERS]))
     key.update(f"{_CFLAGS} {torch.__version__} {sys.version_info[:2]} {platform.machine()} {platform.system()}".encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"nvchat_cpu_kernels-{key.hexdigest()[:16]}"
@@ -183,6 +186,16 @@ def _self_test() -> str | None:
                    ("overlap_add", ops.overlap_add(frames, window, envelope, 2),
                     F.conv_transpose1d(torch.clamp(frames, -window[:, None], window[:, None]),
                                        torch.diag(window)[:, None], stride=2) / envelope)]
+        if ops.blas_available():  # a codec ConvNeXt block (2 rows, 4 channels, kernel 3, 5 frames) and an upsampling
+            cx, state, taps, db, lw, lb = rand(2, 4, 5), rand(2, 4, 2), rand(4, 3), rand(4), rand(4), rand(4)
+            w1, b1, w2, b2 = rand(16, 4), rand(16), rand(4, 16), rand(4)
+            padded = torch.cat([state, cx], -1)
+            h = F.layer_norm(F.conv1d(padded, taps[:, None], db, groups=4).transpose(1, 2), (4,), lw, lb, 1e-6)
+            want = cx + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2).transpose(1, 2)
+            out, next_state = ops.convnext_block(cx, state, taps, db, lw, lb, 1e-6, w1, b1, w2, b2)
+            up_x, up_w = rand(2, 3, 4), rand(3, 5, 2)
+            checks += [("convnext_block", out, want), ("convnext_block state", next_state, padded[..., -2:]),
+                       ("upsample_conv1d", ops.upsample_conv1d(up_x, up_w), F.conv_transpose1d(up_x, up_w, stride=2))]
         # the Conformer convolution module's middle: 2 rows, 8 channels, kernel 4
         proj, state, cw, cb, lw, lb = rand(2, 16), rand(2, 8, 3), rand(8, 4), rand(8), rand(8), rand(8)
         window = torch.cat([state, F.glu(proj, -1)[:, :, None]], 2)
@@ -234,8 +247,9 @@ def _self_test() -> str | None:
                    ("gemma_qk_step values", values, want_values)]
         # a Conformer attention step: 2 rows, 2 heads of 3, a ring of 5 slots, 4 attended, row 1 masked at 0
         H, hd, W, n = 2, 3, 5, 4
-        quvkv, kv, positions = rand(2, 4 * H * hd), rand(2, 2, H, W, hd), rand(H, hd, 2, n)
-        rows, slot = torch.tensor([0, 1]), torch.tensor([3, 1])
+        quvkv, kv, table = rand(2, 4 * H * hd), rand(2, 2, H, W, hd), rand(H, hd, 7)
+        rows, slot, columns = torch.tensor([0, 1]), torch.tensor([3, 1]), torch.tensor([[6, 0, 2, 5], [1, 4, 3, 3]])
+        positions = table[:, :, columns]  # [H, hd, 2, n]
         mask = torch.zeros(2, 1, 1, n)
         mask[1, ..., 0] = float("-inf")
         want_kv = kv.clone()
@@ -244,7 +258,7 @@ def _self_test() -> str | None:
         bias = q_v.view(2, H, 1, hd) @ positions.permute(2, 0, 1, 3) + mask
         want = F.scaled_dot_product_attention(q_u.view(2, H, 1, hd), want_kv[0, :, :, :n], want_kv[1, :, :, :n],
                                               attn_mask=bias, scale=0.4).reshape(2, H * hd)
-        ours = ops.conformer_attention_step(quvkv, kv, rows, slot, positions, mask, n, 0.4)
+        ours = ops.conformer_attention_step(quvkv, kv, rows, slot, table, columns, mask, n, 0.4)
         checks += [("conformer_attention_step", ours, want), ("conformer_attention_step kv", kv, want_kv)]
     for name, ours, theirs in checks:
         problem = close(name, ours, theirs)

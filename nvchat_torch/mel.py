@@ -6,7 +6,9 @@ a Slaney mel filterbank and ``log(mel + guard)``. No dither, no normalisation. F
 centred on sample ``i * hop``; ``N`` samples give ``N // hop + 1`` frames.
 
 The STFT is one matmul of the framed signal with windowed real DFT bases (cos and sin), so the
-module needs no complex tensors, no FFT and no float64, and runs on cpu, cuda and mps.
+module needs no complex tensors, no FFT and no float64, and runs on cpu, cuda and mps. A prepared
+float32 CPU model takes torch's real FFT instead (pocketfft: 6 us against 78 us for a frame's 8
+windows, 25 against 550 us for 8 streams; the same spectrum within float rounding).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .config import PreprocessorConfig
+from .layers import FusedOnCpu
 
 __all__ = ["LogMel", "MelCache", "slaney_mel_filterbank"]
 
@@ -73,7 +76,7 @@ class MelCache:
     frames: torch.Tensor
 
 
-class LogMel(nn.Module):
+class LogMel(nn.Module, FusedOnCpu):
     """``forward(audio [N] or [1, N]) -> [1, N // hop + 1, features]`` float32 log-mel.
 
     Streaming: :meth:`forward_step` takes whole ``lookahead_samples`` frames (1280 = 80 ms) per stream
@@ -113,7 +116,18 @@ class LogMel(nn.Module):
         self.register_buffer("filterbank", slaney_mel_filterbank(
             self.config.sample_rate, n_fft, self.features, device=device), persistent=False)
 
+    def use_cpu_kernels(self) -> None:  # a float32 CPU model: the STFT by torch's real FFT, not the DFT matmul
+        self.cpu_kernels = True
+
     # ---- shared math
+
+    def _power(self, windows: torch.Tensor) -> torch.Tensor:
+        """``|STFT|^2`` of unwindowed frames ``[..., n_fft]`` -> ``[..., bins]``."""
+        if self.cpu_kernels and windows.is_cpu:
+            spectrum = torch.view_as_real(torch.fft.rfft(windows * self.window, dim=-1))
+            return (spectrum * spectrum).sum(dim=-1)  # not .square(): pow dispatches a result_type
+        spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))
+        return (spectrum * spectrum).sum(dim=-2)
 
     def _preemphasize(self, x: torch.Tensor) -> torch.Tensor:
         """``y[n] = x[n] - a*x[n-1]`` along the last axis, with ``y[0] = x[0]`` (only meaningful when x
@@ -126,9 +140,7 @@ class LogMel(nn.Module):
         """Log-mel of ``count`` frames whose windows start at ``padded[first + i*hop]`` -> [1, count, F]."""
         segment = padded[first:first + (count - 1) * self.hop + self.n_fft]
         frames = segment.unfold(0, self.n_fft, self.hop)  # [count, n_fft], a strided view
-        spectrum = (frames @ self.dft_basis).view(count, 2, -1)
-        power = spectrum.square().sum(dim=1)
-        mel = power @ self.filterbank.T
+        mel = self._power(frames) @ self.filterbank.T
         return torch.log(mel + self.log_guard).unsqueeze(0)
 
     def _check_audio(self, audio: torch.Tensor, where: str) -> torch.Tensor:
@@ -185,7 +197,6 @@ class LogMel(nn.Module):
         mirrored = torch.where(j < origin[:, None], 2 * origin[:, None] - j, j).clamp(max=y.shape[1] - 1)
         y = y.gather(1, mirrored)
         windows = y[:, 1:].unfold(1, self.n_fft, hop)[:, :count]  # [B, count, n_fft]
-        spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))
-        mel = (spectrum * spectrum).sum(dim=2) @ self.filterbank.T  # not .square(): pow dispatches a result_type
+        mel = self._power(windows) @ self.filterbank.T
         cache.frames = cache.frames + 1
         return torch.log(mel + self.log_guard)

@@ -52,6 +52,51 @@ def test_a_fused_projection_computes_as_torch_linear(rows):
     torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_codec_block_and_upsampling_equal_the_composite_code_row_by_row(rows):
+    """convnext_block and upsample_conv1d at widths BLAS blocks (48 channels, 192 hidden): the composite
+    code within rounding, each row's output the bits it gets alone (the engine's guarantee), the state
+    the window's last frames exactly."""
+    ops, g = torch.ops.nvchat_cpu, torch.Generator().manual_seed(5)
+    C, T, K = 48, 63, 7
+    x, state = torch.randn(rows, C, T, generator=g), torch.randn(rows, C, K - 1, generator=g)
+    taps, db, lw, lb = (torch.randn(*shape, generator=g) for shape in ((C, K), (C,), (C,), (C,)))
+    w1, b1 = torch.randn(4 * C, C, generator=g) / C ** 0.5, torch.randn(4 * C, generator=g)
+    w2, b2 = torch.randn(C, 4 * C, generator=g) / (2 * C ** 0.5), torch.randn(C, generator=g)
+    out, next_state = ops.convnext_block(x, state, taps, db, lw, lb, 1e-6, w1, b1, w2, b2)
+    padded = torch.cat([state, x], -1)
+    h = F.layer_norm(F.conv1d(padded, taps[:, None], db, groups=C).transpose(1, 2), (C,), lw, lb, 1e-6)
+    torch.testing.assert_close(out, x + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2).transpose(1, 2),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(next_state, padded[..., -(K - 1):])
+    up_x, up_w = torch.randn(rows, 40, 9, generator=g), torch.randn(40, 24, 7, generator=g)
+    upsampled = ops.upsample_conv1d(up_x, up_w)
+    torch.testing.assert_close(upsampled, F.conv_transpose1d(up_x, up_w, stride=7), rtol=1e-5, atol=1e-5)
+    for r in range(rows):
+        alone, alone_state = ops.convnext_block(x[r:r + 1], state[r:r + 1], taps, db, lw, lb, 1e-6, w1, b1, w2, b2)
+        assert torch.equal(alone, out[r:r + 1]) and torch.equal(alone_state, next_state[r:r + 1])
+        assert torch.equal(ops.upsample_conv1d(up_x[r:r + 1], up_w), upsampled[r:r + 1])
+
+
+def test_the_fused_exact_gelu_keeps_float32_precision_on_both_tails():
+    """The block's GELU (an erfc fit, no libm call) against float64's erf GELU from -12 to 12: the pre-GELU
+    values are the hidden bias itself (w1 = 0), and one-hot w2 rows read them out unchanged."""
+    ops = torch.ops.nvchat_cpu
+    C = 16
+    values = torch.linspace(-12.0, 12.0, 4 * C)
+    exact = (values.double() * 0.5 * torch.special.erfc(-values.double() / 2 ** 0.5)).float()
+    got = torch.empty(4 * C)
+    for offset in range(4):  # channel c reads hidden unit 4c + offset
+        w2 = torch.zeros(C, 4 * C)
+        w2[torch.arange(C), 4 * torch.arange(C) + offset] = 1.0
+        out, _ = ops.convnext_block(torch.zeros(1, C, 1), torch.zeros(1, C, 2), torch.zeros(C, 3), torch.zeros(C),
+                                    torch.ones(C), torch.zeros(C), 1e-6, torch.zeros(4 * C, C), values, w2,
+                                    torch.zeros(C))
+        got[offset::4] = out.flatten()
+    torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-37)
+    assert got[0] < 0 < -got[0] < 1e-30  # the negative tail is a tiny negative number, not 0 or NaN
+
+
 def frames_of(model, wave: np.ndarray, deterministic: bool, seed: int = 0) -> tuple[list, int]:
     """Every event of a session over ``wave`` (80 ms pushes), and the ops of its 11th frame."""
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, seed=seed,
@@ -166,6 +211,14 @@ def test_bad_inputs_get_an_error_naming_what_is_wrong():
         ops.depthwise_conv1d(torch.zeros(1, 2, 3), torch.zeros(2, 4), None)
     with pytest.raises(RuntimeError, match="overlap_add: envelope of 5 samples for 12"):
         ops.overlap_add(torch.zeros(1, 4, 5), torch.ones(4), torch.ones(5), 2)
+    with pytest.raises(RuntimeError, match="state has 2 at dim 2, expected 3"):
+        ops.convnext_block(torch.zeros(1, 4, 5), torch.zeros(1, 4, 2), torch.zeros(4, 4), torch.zeros(4), torch.ones(4),
+                           torch.zeros(4), 1e-6, torch.zeros(16, 4), torch.zeros(16), torch.zeros(4, 16), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="weight has 3 at dim 0, expected 2"):
+        ops.upsample_conv1d(torch.zeros(1, 2, 5), torch.zeros(3, 4, 2))
+    with pytest.raises(RuntimeError, match="distance column 9 of 7"):
+        ops.conformer_attention_step(torch.zeros(1, 16), torch.zeros(2, 1, 2, 5, 2), torch.tensor([0]),
+                                     torch.tensor([0]), torch.zeros(2, 2, 7), torch.tensor([[0, 9]]), None, 2, 1.0)
     with pytest.raises(RuntimeError, match="rvq_assign: quantizers 3..5"):
         ops.rvq_assign(torch.zeros(1, 5), torch.zeros(4, 16, 5), torch.zeros(4, 16), None, 3, 2)
     # and the op still works after an error
