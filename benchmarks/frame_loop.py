@@ -132,8 +132,10 @@ def run_ours(model: nv.VoiceChatModel, args, wave: np.ndarray, count: bool = Tru
 def run_engine(path: Path | None, args, wave: np.ndarray, counts: list[int]) -> list[dict]:
     """The batched engine with ``n`` sessions for each ``n`` in ``counts`` (one model, one engine each,
     all open at once): frames per second over all sessions, the real-time factor of each (a step's
-    wall time / 80 ms), ops and host reads per step. The counts are timed in turn, ``--rounds`` times,
-    and each keeps its median, so a busy machine slows them alike."""
+    wall time / 80 ms), ops and host reads per step. The counts take turns step by step (one step of
+    each, then the next), so a shared machine's load and the sessions' growing histories fall on them
+    alike, and each count's step time is the median of its steps (``rounds_ms``: the median of each
+    ``--rounds`` part, to show the spread)."""
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = full_random_model(args) if path is None else nv.load_model(path, device=device, dtype=dtype,
@@ -161,21 +163,21 @@ def run_engine(path: Path | None, args, wave: np.ndarray, counts: list[int]) -> 
             step(n)
         counted[n] = (ops.non_view, sum(reads.values()))
     timed = max(1, len(frames) - args.warmup - 1)
-    walls: dict[int, list[float]] = {n: [] for n in counts}
-    for _ in range(args.rounds):
+    steps: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(args.rounds * timed):
         for n in counts:
             _sync(device)
             t0 = time.perf_counter()
-            for _ in range(timed):
-                step(n)
+            step(n)
             _sync(device)
-            walls[n].append((time.perf_counter() - t0) / timed)
+            steps[n].append(time.perf_counter() - t0)
     rows = []
     for n in counts:
-        wall = float(np.median(walls[n]))
+        wall = float(np.median(steps[n]))
+        parts = [float(np.median(steps[n][k * timed:(k + 1) * timed])) * 1000 for k in range(args.rounds)]
         rows.append({"sessions": n, "step_ms": wall * 1000, "frames_per_second": n / wall,
                      "realtime_factor": wall / 0.08, "ops_per_step": counted[n][0],
-                     "host_reads_per_step": counted[n][1], "rounds_ms": [w * 1000 for w in walls[n]]})
+                     "host_reads_per_step": counted[n][1], "rounds_ms": parts})
     for row in rows:
         row["speedup"] = row["frames_per_second"] / rows[0]["frames_per_second"]
     return rows
@@ -292,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_engine(path, args, wave, counts)
         print(f"machine: {machine()}")
         mode = "deterministic" if args.deterministic else "sampling"
-        print(f"engine:  {args.rounds} rounds of {len(wave) // FRAME - args.warmup - 1} steps after {args.warmup + 1} "
-              f"cold, every session ({mode}) with a frame each step; median step time")
+        print(f"engine:  {args.rounds} x {len(wave) // FRAME - args.warmup - 1} steps of each count, taking turns step by step, "
+              f"after {args.warmup + 1} cold, every session ({mode}) with a frame each step; median step time")
         print(engine_table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine(), "engine": rows}, indent=1) + "\n")
