@@ -78,6 +78,30 @@ def test_the_codec_block_and_upsampling_equal_the_composite_code_row_by_row(rows
         assert torch.equal(ops.upsample_conv1d(up_x[r:r + 1], up_w), upsampled[r:r + 1])
 
 
+def test_a_conformer_layer_off_the_fused_op_reads_the_same_distances(ckpt_q4):
+    """The fused encoder hands each layer its whole distance table (the fused op reads it at the rows'
+    columns); a layer that takes the composite code gathers the same distances itself."""
+    model = nv.load_model(ckpt_q4)
+    encoder = model.stt_model.perception.encoder
+    assert encoder.cpu_kernels and all(layer.self_attn.cpu_kernels for layer in encoder.layers)
+    g = torch.Generator().manual_seed(2)
+    mels = [torch.randn(3, encoder.subsampling, encoder.config.feat_in, generator=g) for _ in range(4)]
+
+    def run() -> torch.Tensor:
+        cache = encoder.new_cache(3)
+        with torch.inference_mode():
+            return torch.cat([encoder.forward_step(mel, cache) for mel in mels], dim=1)
+
+    fused = run()
+    for layer in encoder.layers:
+        layer.self_attn.cpu_kernels = False
+    try:
+        torch.testing.assert_close(run(), fused, rtol=1e-5, atol=1e-5)
+    finally:
+        for layer in encoder.layers:
+            layer.self_attn.cpu_kernels = True
+
+
 def test_the_fused_exact_gelu_keeps_float32_precision_on_both_tails():
     """The block's GELU (an erfc fit, no libm call) against float64's erf GELU from -12 to 12: the pre-GELU
     values are the hidden bias itself (w1 = 0), and one-hot w2 rows read them out unchanged."""
