@@ -178,6 +178,7 @@ class VoiceChatNetworks(nn.Module):
         if self._tts_prompt is None:
             with torch.inference_mode():
                 self._tts_prompt = self.tts_model.prompt()
+            return_freed_memory()  # the codec encoder's transients (~280 MB of heap at full size, kept by glibc)
         return self._tts_prompt
 
     def describe(self) -> str:
