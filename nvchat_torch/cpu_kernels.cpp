@@ -437,22 +437,12 @@ at::Tensor norm_linear(const at::Tensor& x, c10::string_view norm, const c10::op
   if (rms || layer) {
     normed.resize(rows * in);
     if (rms) rms_rows(src, nw, nullptr, normed.data(), rows, in, static_cast<float>(eps));
-    for (int64_t r = 0; layer && r < rows; ++r) {
-      const float* v = src + r * in;
-      float* o = normed.data() + r * in;
-      const auto [mean, s] = row_moments(v, in, static_cast<float>(eps));
-      for (int64_t c = 0; c < in; ++c) {
-        const float y = (v[c] - mean) * s;
-        o[c] = (nw ? y * nw[c] : y) + (nb ? nb[c] : 0.f);
-      }
-    }
+    if (layer) layer_rows(src, nw, nb, normed.data(), rows, in, static_cast<float>(eps));
     src = normed.data();
   }
   std::vector<float> scratch(gated ? rows * n : 0);
   float* y = gated ? scratch.data() : out.data_ptr<float>();
-  if (bs)
-    for (int64_t r = 0; r < rows; ++r) std::copy(bs, bs + n, y + r * n);
-  gemm_rows(src, in, weight.data_ptr<float>(), y, rows, n, in, 1.f, bs ? 1.f : 0.f);
+  linear_rows(src, weight.data_ptr<float>(), bs, y, rows, n, in);
   if (activation == "silu") silu_inplace(y, rows * n);
   if (activation == "relu_square") relu_square_inplace(y, rows * n);
   if (gated) gelu_tanh_mul_rows(y, out.data_ptr<float>(), rows, n / 2);

@@ -87,6 +87,14 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, const float
   sgemm_(&transa, &transb, &m_, &n_, &k_, &alpha, A, &lda_, B, &ldb_, &beta, C, &ldc_);
 }
 
+// y [rows, n] = A [rows, k] @ W [n, k]^T + bias (optional) as torch's linear computes it: the bias copied
+// into every row, then BLAS with beta 1
+void linear_rows(const float* A, const float* W, const float* bias, float* y, int64_t rows, int64_t n, int64_t k) {
+  if (bias)
+    for (int64_t r = 0; r < rows; ++r) std::copy(bias, bias + n, y + r * n);
+  gemm_rows(A, k, W, y, rows, n, k, 1.f, bias ? 1.f : 0.f);
+}
+
 // LayerNorm's statistics of a row: its mean and 1 / sqrt(biased variance + eps)
 inline std::pair<float, float> row_moments(const float* v, int64_t d, float eps) {
   float mean = 0.f;
@@ -180,6 +188,20 @@ NVCHAT_VECTOR_CLONES int64_t first_argmin(const float* d, int64_t K) {
   for (int64_t k = 0; k < K; ++k)
     if (nan ? d[k] != d[k] : d[k] == lo) return k;
   return 0;
+}
+
+// LayerNorm of each row of x [rows, d] into o (o may be x): (x - mean) / sqrt(var + eps) * w + b, w and b
+// optional
+void layer_rows(const float* x, const float* w, const float* b, float* o, int64_t rows, int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x + r * d;
+    float* out = o + r * d;
+    const auto [mean, s] = row_moments(v, d, eps);
+    for (int64_t c = 0; c < d; ++c) {
+      const float y = (v[c] - mean) * s;
+      out[c] = (w ? y * w[c] : y) + (b ? b[c] : 0.f);
+    }
+  }
 }
 
 void rms_rows(const float* x, const float* w, const float* residual, float* o, int64_t rows, int64_t d, float eps) {

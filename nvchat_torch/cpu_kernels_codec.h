@@ -78,13 +78,8 @@ std::tuple<at::Tensor, at::Tensor> convnext_block(const at::Tensor& x, const at:
         for (int64_t t = 0; t < T; ++t) conv[t] += window[t + k] * tap[k];
       for (int64_t t = 0; t < T; ++t) normed[(b * T + t) * C + c] = conv[t];
     }
-  for (int64_t r = 0; r < B * T; ++r) {
-    float* v = normed.data() + r * C;
-    const auto [mean, s] = row_moments(v, C, static_cast<float>(eps));
-    for (int64_t c = 0; c < C; ++c) v[c] = (v[c] - mean) * s * nw[c] + nb[c];
-  }
-  for (int64_t r = 0; r < B * T; ++r) std::copy(pb1, pb1 + H, hidden.data() + r * H);
-  gemm_rows(normed.data(), C, w1.data_ptr<float>(), hidden.data(), B * T, H, C, 1.f, 1.f);
+  layer_rows(normed.data(), nw, nb, normed.data(), B * T, C, static_cast<float>(eps));
+  linear_rows(normed.data(), w1.data_ptr<float>(), pb1, hidden.data(), B * T, H, C);
   gelu_erf_inplace(hidden.data(), B * T * H);
   for (int64_t b = 0; b < B; ++b) {
     float* ob = o + b * C * T;
