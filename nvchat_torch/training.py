@@ -265,8 +265,11 @@ def tts_forward(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int]
     if codes.shape != (b, s, tcfg.num_quantizers):
         raise ValueError(f"codes must be [B, S, {tcfg.num_quantizers}] for text_ids {list(text.shape)}, "
                          f"got {list(codes.shape)}")
-    prompt = model.tts_prompt()
-    first = prompt.codes[:, -1:].expand(b, 1, -1)
+    prompt = model.tts_prompt()  # made under inference_mode: its tensors are cloned before autograd sees them
+    prompt_codes, subword_ids, subword_mask, audio = (t.clone() for t in (prompt.codes, prompt.subword_ids,
+                                                                           prompt.subword_mask, prompt.audio_mask))
+    latents = speech.audio_prompt_latents.latents()  # the speaker latents themselves (trainable if asked)
+    first = prompt_codes[:, -1:].expand(b, 1, -1)
     previous = torch.cat([first, codes[:, :-1]], dim=1)
     previous = torch.where((text == speech.eos_token_id)[..., None], speech.silence_codes(torch.long), previous)
     dtype = tts.activation_dtype
@@ -275,13 +278,12 @@ def tts_forward(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int]
         src, keep = quantizer_masks((b, s), tcfg.num_quantizers, config, generator, device)
         previous = _with_mask_code(previous, keep, tcfg.mask_code)
     # The warmup's inputs (as EarTTS.warmup builds them), then the steps'.
-    shifted = torch.cat([torch.zeros_like(prompt.codes[:, :1]), prompt.codes[:, :-1]], dim=1)
-    audio = prompt.audio_mask
+    shifted = torch.cat([torch.zeros_like(prompt_codes[:, :1]), prompt_codes[:, :-1]], dim=1)
     bos = audio & ~torch.cat([torch.zeros_like(audio[:, :1]), audio[:, :-1]], dim=1)
     before = (bos.cumsum(1) == 0)[..., None]
     warm = tts.embed_code(tts.depth_sum(shifted).to(dtype))
-    warm = torch.where(before, prompt.latents.to(dtype), warm) + bos[..., None] * tts.bos_emb
-    warm_text = tts.embed_subword(prompt.subword_ids, prompt.subword_mask)
+    warm = torch.where(before, latents.to(dtype), warm) + bos[..., None] * tts.bos_emb
+    warm_text = tts.embed_subword(subword_ids, subword_mask)
     steps = tts.embed_code(tts.depth_sum(previous).to(dtype))
     step_text = tts.embed_subword(text)
     code_embed = torch.cat([warm.expand(b, -1, -1), steps], dim=1)

@@ -64,6 +64,8 @@ class Conversation:
 
 def _read_audio(path: Path, rate: int, what: str) -> np.ndarray:
     samples, sr = read_wav(path)
+    if samples.ndim == 2 and samples.shape[1] == 1:
+        samples = samples[:, 0]
     if sr != rate:
         raise ValueError(f"{path}: {what} must be {rate} Hz, got {sr} Hz (resample it first: "
                          "nvchat_torch.audio_io.resample)")
@@ -232,3 +234,69 @@ def insert_frames(channel: Sequence[Any], insertions: Sequence[tuple[int, int]],
         out[at + offset:at + offset] = [fill] * count
         offset += count
     return out
+
+
+@dataclass
+class Example:
+    """One conversation's tensors for :func:`~nvchat_torch.training.stt_forward` and ``tts_forward``.
+
+    STT (frames of the timeline after tool-call insertions): ``audio`` 16 kHz samples, per frame the
+    labels ``text``, ``function`` and ``function_mask`` (NeMo's target channels from their frame 1: frame
+    ``t``'s label is the channel's frame ``t + 1``, label_prep.py 316-317). TTS (the original timeline,
+    or None without agent audio): ``tts_text`` each step's text id and ``codes`` ``[S, Q]`` its codes."""
+
+    audio: np.ndarray
+    text: list[int]
+    function: list[int]
+    function_mask: list[bool]
+    system_prompt: str | None
+    tools: list[dict] | None
+    tts_text: list[int] | None = None
+    codes: Any = None
+
+
+def build_example(model: Any, conversation: Conversation, *, advance: int = 0, delay: int = 0,
+                  delay_eos_by: int = 0, delay_bos_by: int = 0, speech_delay: int | None = None) -> Example:
+    """NeMo's labels for one conversation (see the functions above): the agent channel and its shifts, the
+    function channel with its insertions (PAD text and silent user audio inserted alongside,
+    duplex_stt_model.py 1566-1588; NeMo inserts the encoder's silence, here zero samples), and for the TTS
+    the codec's codes of the agent audio delayed by ``speech_delay`` frames (default the card's
+    ``num_delay_speech_tokens``; add_speech_delay, duplex_ear_tts_dataset.py 506-566) and the text of the
+    next frame (``subword_ids = target[:, 1:]``, duplex_ear_tts.py 449)."""
+    import torch
+
+    cfg, tok = model.config, model.tokenizer
+    frame = cfg.input_frame_samples
+    frames = num_frames(conversation.duration)
+    if frames < 2:
+        raise ValueError(f"conversation {conversation.id!r}: {conversation.duration:.3f} s gives {frames} frame(s); "
+                         "at least 2 are needed")
+    user = np.zeros(frames * frame, dtype=np.float32)
+    user[:min(len(user), len(conversation.user_audio))] = conversation.user_audio[:len(user)]
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    channel = agent_channel([(t.start, t.end, encode(t.text)) for t in conversation.turns], frames,
+                            bos=cfg.bos_token_id, eos=cfg.eos_token_id, pad=cfg.pad_token_id)
+    channel = shift_channel(channel, pad=cfg.pad_token_id, eos=cfg.eos_token_id, bos=cfg.bos_token_id,
+                            advance=advance, delay=delay, delay_eos_by=delay_eos_by, delay_bos_by=delay_bos_by)
+    start, end, result_end = (tok.convert_tokens_to_ids(m) for m in FUNCTION_MARKERS)
+    calls = [(num_frames(c.time), encode(c.call), num_frames(c.time if c.result_time is None else c.result_time),
+              encode(c.result)) for c in conversation.tool_calls]
+    fn = function_channel(calls, frames, pad=cfg.pad_token_id, start=start, end=end, result_end=result_end)
+    text = insert_frames(channel, fn.insertions, cfg.pad_token_id)
+    silent = insert_frames(list(user.reshape(frames, frame)), fn.insertions, np.zeros(frame, np.float32))
+    example = Example(np.concatenate(silent), text[1:], fn.ids[1:], fn.loss_mask[1:],
+                      conversation.system_prompt, conversation.tools)
+    if conversation.agent_audio is not None:
+        codec = model.tts_model.audio_codec
+        per = codec.samples_per_frame
+        delay_frames = cfg.tts_config.num_delay_speech_tokens if speech_delay is None else speech_delay
+        agent = np.zeros(frames * per, dtype=np.float32)
+        audio = np.concatenate([np.zeros(delay_frames * per, np.float32), conversation.agent_audio])[:len(agent)]
+        agent[:len(audio)] = audio
+        with torch.no_grad():
+            codes = codec.encode(torch.from_numpy(agent).to(model.device).view(1, 1, -1)).transpose(1, 2)[0]
+        example.tts_text, example.codes = channel[1:], codes[:frames - 1].long()
+    return example

@@ -1,0 +1,308 @@
+"""Fine-tuning (issue 33): teacher-forced forwards against a deterministic streaming session, NeMo's
+labels on cases worked from its code (branch ``nemotron-labs-voicechat``, file and lines cited per case),
+the losses on small cases computed independently, gradients, overfitting, and LoRA adapters."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import nvchat_torch as nv
+from nvchat_torch import adapters, training as tr
+from nvchat_torch import training_labels as tl
+from nvchat_torch.tiny import random_model
+
+FRAME = 1280
+
+
+def _model(layout: str):
+    """The tiny model in a card's layout, as load_model returns it unprepared: float32, bf16 weights
+    (float32 activations), or the mlx-community 4-bit / 8-bit packing."""
+    if layout == "f32":
+        return random_model("tiny", seed=1)
+    if layout == "bf16":
+        model = random_model("tiny", seed=1, dtype=torch.bfloat16)
+        model.set_activation_dtype(torch.float32)
+        model.init_constants("cpu")
+        return model
+    return random_model("tiny", seed=1, bits={"q4": 4, "q8": 8}[layout])
+
+
+@pytest.fixture(scope="module")
+def wave():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(FRAME * 24) * 0.1).astype(np.float32)
+
+
+def _session_run(model, wave, prompt):
+    """A deterministic session fed 80 ms at a time: each frame's (text, function) ids and codes."""
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=prompt, deterministic=True))
+    ids, codes = [], []
+    for i in range(len(wave) // FRAME):
+        events = session.push_audio(wave[i * FRAME:(i + 1) * FRAME], 16000)
+        ids.append(session.last_ids)
+        codes.append(next(e.audio_codes for e in events if e.kind == "audio"))
+    return torch.tensor(ids), torch.from_numpy(np.stack(codes)).long()
+
+
+@pytest.mark.parametrize("layout", ["f32", "bf16", "q4", "q8"])
+def test_forwards_give_the_sessions_ids_and_codes(layout, wave):
+    model = _model(layout)
+    for prompt in ("Be brief.", ""):  # the TTS check below takes the run without a prompt
+        ids, codes = _session_run(model, wave, prompt)
+        with torch.no_grad():
+            out = tr.stt_forward(model, torch.from_numpy(wave), ids[:, 0], ids[:, 1], system_prompt=prompt)
+        assert out.text_logits.shape == (1, len(ids), model.config.text_config.vocab_size)
+        assert torch.equal(out.text_logits[0].argmax(-1), ids[:, 0]), layout
+        assert torch.equal(out.function_logits[0].argmax(-1), ids[:, 1]), layout
+        assert out.prompt_length == (0 if prompt == "" else len(tr.prompt_ids(model, prompt)))
+    # Frame 0 runs no TTS (timeline position 0); the steps are frames 1.. (no prompt, so no prompt steps).
+    # The events carry the codes with the codec's control codes replaced by silence; the session fed back
+    # the raw ones. Teacher-force with the clean codes, then put back the raw picks wherever they clean to
+    # the event's codes, and run again: the picks must then clean to the events' codes at every step.
+    steps = codes[1:]
+    with torch.no_grad():
+        for _ in range(2):
+            tts = tr.tts_forward(model, ids[1:, 0], steps, deterministic=True)
+            picks = tts.codes[0]
+            clean = model.tts_model.replace_control_codes(picks)
+            steps = torch.where(clean == codes[1:], picks, codes[1:])
+    assert torch.equal(clean, codes[1:]), layout
+    assert tts.logits.shape[:2] == (1, len(ids) - 1)
+
+
+def test_stt_forward_batches_rows_and_checks_shapes(wave):
+    model = _model("f32")
+    ids = torch.randint(0, 300, (2, 10))
+    audio = torch.from_numpy(np.stack([wave[:FRAME * 10], wave[FRAME * 10:FRAME * 20]]))
+    with torch.no_grad():
+        both = tr.stt_forward(model, audio, ids, ids.flip(1), system_prompt="")
+        one = tr.stt_forward(model, audio[1], ids[1], ids[1].flip(0), system_prompt="")
+    torch.testing.assert_close(both.text_logits[1], one.text_logits[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"audio_16k: 11 frames need \[B, >= 14080\]"):
+        tr.stt_forward(model, audio[:, :FRAME * 10], torch.zeros(2, 11, dtype=torch.long), torch.zeros(2, 11, dtype=torch.long))
+    with pytest.raises(ValueError, match="differ in shape"):
+        tr.stt_forward(model, audio, ids, ids[:, :5])
+    with pytest.raises(ValueError, match=r"codes must be \[B, S, 31\]"):
+        tr.tts_forward(model, ids[0], torch.zeros(10, 7, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------
+# Labels: cases worked by hand from NeMo's code (NeMo itself does not install for CPU tests:
+# it needs lhotse, hydra, megatron and a GPU-era torch stack).
+
+
+def test_num_frames_is_lhotses_rounding():
+    # lhotse compute_num_frames, called by build_token_channel (s2s_dataset.py 2261, 2274, 2281):
+    # round(t * 16000) samples, hop 1280, (samples + 640) // 1280.
+    assert [tl.num_frames(t) for t in (0.0, 0.039, 0.04, 0.08, 0.119, 0.12, 1.0)] == [0, 0, 1, 1, 1, 2, 13]
+
+
+def test_agent_channel_worked_cases():
+    # build_token_channel (s2s_dataset.py 2257-2351): BOS + subwords at num_frames(start), cut to
+    # num_frames(end) - pos frames (2289-2294), EOS at num_frames(end) if inside (2337-2340).
+    P, B, E = 0, 1, 2
+    turns = [(0.16, 0.64, [10, 11, 12]),   # frames 2 .. 8: BOS 10 11 12 at 2-5, EOS at 8
+             (0.72, 0.96, [20, 21, 22, 23]),  # 9 .. 12: 3 frames of text (BOS 20 21), EOS at 12
+             (1.6, 2.0, [30])]  # starts at frame 20 >= 16 frames: skipped (2262-2266)
+    got = tl.agent_channel(turns, 16, bos=B, eos=E, pad=P)
+    assert got == [P, P, B, 10, 11, 12, P, P, E, B, 20, 21, E, P, P, P]
+    # EOS past the end is dropped; text running past the end is cut (2322-2330)
+    assert tl.agent_channel([(0.08, 2.0, [5, 6, 7, 8])], 4, bos=B, eos=E, pad=P) == [P, B, 5, 6]
+    # end <= start: no text, but the EOS is still placed (2295-2297, 2337-2340)
+    assert tl.agent_channel([(0.4, 0.4, [5])], 8, bos=B, eos=E, pad=P) == [P] * 5 + [E] + [P] * 2
+
+
+def test_shifts_and_delays_worked_cases():
+    P, B, E = 0, 1, 2
+    ch = [P, B, 5, 6, E, P, B, 7, P, E]
+    # advance_text_channel_by (label_prep.py 124-158): drop the first frames, PAD the end
+    assert tl.shift_channel(ch, pad=P, eos=E, bos=B, advance=2) == [5, 6, E, P, B, 7, P, E, P, P]
+    # delay_text_channel_by (168-209): an EOS in the last 2 frames moves to frame -2, then PAD the start
+    assert tl.shift_channel(ch, pad=P, eos=E, bos=B, delay=2) == [P, P, P, B, 5, 6, E, P, B, 7]
+    # delay_eos (22-61): each EOS 3 later unless out of bounds or onto an EOS; original becomes PAD
+    assert tl.delay_eos([E, P, P, P, E, P, E], E, P, 3) == [P, P, P, E, E, P, E]  # 4 -> 7, 6 -> 9: out of bounds
+    assert tl.delay_eos([E, P, P, E, P], E, P, 3) == [E, P, P, E, P]  # 0 -> 3 is an EOS, 3 -> 6 out: both stay
+    assert tl.shift_channel(ch, pad=P, eos=E, bos=B, delay_bos_by=1) == [P, P, B, 6, E, P, P, B, P, E]
+
+
+def test_function_channel_and_insertions_worked_case():
+    # _build_function_calling_channel (duplex_stt_model.py 998-1080) for a 6-frame timeline, one call at
+    # frame 2 (ids 40 41) whose result (ids 50) comes at frame 4: events in order, PAD (with loss)
+    # between them measured in original frames, the channel grows by the inserted frames.
+    P, S, C, R = 0, 90, 91, 92
+    fn = tl.function_channel([(2, [40, 41], 4, [50])], 6, pad=P, start=S, end=C, result_end=R)
+    assert fn.ids == [P, P, S, 40, 41, C, P, P, 50, R, P, P]
+    assert fn.loss_mask == [True, True, True, True, True, True, True, True, False, True, True, True]
+    assert fn.insertions == [(2, 4), (4, 1), (4, 1)]
+    # _expand_channels_with_insertions (1566-1588): PAD / silence at each insertion, later ones offset
+    assert tl.insert_frames([1, 2, 3, 4, 5, 6], fn.insertions, 0) == [1, 2, 0, 0, 0, 0, 3, 4, 0, 0, 5, 6]
+    # with a system prompt the steps are offset by its length (1000-1006); no result: call only
+    fn = tl.function_channel([(1, [40], -1, [])], 5, pad=P, start=S, end=C, result_end=R, prompt_frames=2)
+    assert fn.ids == [P, P, P, S, 40, C, P, P] and all(fn.loss_mask)
+
+
+def test_manifest_and_example(tmp_path):
+    from nvchat_torch.audio_io import write_wav
+    model = _model("f32")
+    write_wav(tmp_path / "user.wav", np.zeros(FRAME * 20, np.float32), 16000)
+    write_wav(tmp_path / "agent.wav", np.zeros(1764 * 12, np.float32) + 0.01, 22050)
+    entry = {"id": "a", "user_audio": "user.wav", "agent_audio": "agent.wav", "system_prompt": "Hi.",
+             "turns": [{"start": 0.16, "end": 0.96, "text": "hello world"}],
+             "tool_calls": [{"time": 0.4, "call": {"name": "f"}, "result": "ok", "result_time": 0.8}]}
+    (tmp_path / "m.jsonl").write_text(json.dumps(entry) + "\n")
+    [conv] = tl.read_manifest(tmp_path / "m.jsonl")
+    assert conv.turns[0].text == "hello world" and conv.tool_calls[0].call == '{"name": "f"}'
+    ex = tl.build_example(model, conv)
+    words = model.tokenizer.encode("hello world", add_special_tokens=False)
+    call = model.tokenizer.encode('{"name": "f"}', add_special_tokens=False)
+    grown = 20 - 1 + len(call) + 2 + len(model.tokenizer.encode("ok", add_special_tokens=False)) + 1
+    assert len(ex.text) == len(ex.function) == len(ex.function_mask) == grown
+    assert len(ex.audio) == (grown + 1) * FRAME
+    assert ex.text[1:1 + len(words) + 1] == [model.config.bos_token_id, *words]  # channel frame 2 = label 1
+    assert ex.codes.shape == (19, model.config.tts_config.num_quantizers) and len(ex.tts_text) == 19
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"user_audio": "user.wav", "turns": [{"start": 1}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 turns\[0\]: missing key 'end'"):
+        tl.read_manifest(tmp_path / "bad.jsonl")
+    write_wav(tmp_path / "u8.wav", np.zeros(800, np.float32), 8000)
+    (tmp_path / "rate.jsonl").write_text(json.dumps({"user_audio": "u8.wav", "turns": []}) + "\n")
+    with pytest.raises(ValueError, match="user_audio must be 16000 Hz, got 8000 Hz"):
+        tl.read_manifest(tmp_path / "rate.jsonl")
+
+
+# --------------------------------------------------------------------------------------
+# Losses on small cases, computed independently
+
+
+def test_stt_loss_formula():
+    model = _model("f32")
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    v = cfg.text_config.vocab_size
+    out = tr.STTOutput(torch.randn(1, 4, v, generator=g), torch.randn(1, 4, v, generator=g), 0)
+    text = torch.tensor([[cfg.pad_token_id, 7, cfg.eos_token_id, 9]])
+    fn = torch.tensor([[cfg.pad_token_id, 5, 6, cfg.pad_token_id]])
+    mask = torch.tensor([[1, 1, 0, 1]])
+    frames = torch.tensor([[1, 1, 1, 0]])
+    conf = tr.STTLossConfig(text_loss_weight=3.0, function_loss_weight=2.0, token_weights={"pad": 0.5, "eos": 4.0})
+
+    def nll(logits, label):
+        return -(logits[label] - math.log(sum(math.exp(x) for x in logits.tolist())))
+
+    tw = [0.5, 1.0, 4.0, 1.0]
+    text_ref = sum(nll(out.text_logits[0, t], text[0, t]) * tw[t] * frames[0, t] for t in range(4)) / 3
+    fn_ref = sum(nll(out.function_logits[0, t], fn[0, t]) * mask[0, t] * frames[0, t] for t in range(4)) / 3
+    got = tr.stt_loss(model, out, text, fn, mask, frames, conf)
+    assert got["text_loss"].item() == pytest.approx(float(text_ref), rel=1e-5)
+    assert got["function_loss"].item() == pytest.approx(float(fn_ref), rel=1e-5)
+    assert got["loss"].item() == pytest.approx(3 * float(text_ref) + 2 * float(fn_ref), rel=1e-5)
+
+
+def test_tts_loss_formula():
+    """c_loss and k_loss from the Gaussian mixture written out per component (full means ``L_k m_k``)."""
+    model = _model("f32")
+    tts = model.tts_model.tts_model
+    head, q = tts.mog_head, tts.config.num_quantizers
+    k, r, d = head.num_predictions, head.low_rank, tts.config.latent_size
+    g = torch.Generator().manual_seed(3)
+    s = 2
+    out = tr.TTSOutput(torch.randn(1, s, k, generator=g), torch.randn(1, s, k, r, generator=g),
+                       torch.randn(1, s, d, generator=g), torch.randn(1, s, 1, generator=g).clamp(min=-4),
+                       torch.arange(q)[None, None].expand(1, s, q) < torch.tensor([[[3], [q]]]),
+                       torch.ones(1, s, q, dtype=torch.bool))
+    codes = torch.randint(0, tts.config.codebook_size, (1, s, q), generator=g)
+    ls = 0.01
+    got = tr.tts_loss(model, out, codes, config=tr.TTSLossConfig(label_smoothing=ls))
+    # step 0: quantizers 3.. are the target; step 1 knows all quantizers: no target
+    y = sum(tts.rvq_embs[i, codes[0, 0, i]] for i in range(3, q)).double()
+    logs = out.log_std[0, 0, 0].double()
+    logp = []
+    for c in range(k):
+        mean = head.low_mat[c].double() @ out.mus[0, 0, c].double()
+        z = (y - out.mu_res[0, 0].double()) * torch.exp(-logs)
+        logp.append((-0.5 * math.log(2 * math.pi) - logs) * d - 0.5 * ((mean - z) ** 2).sum())
+    logp = torch.stack(logp)
+    post = torch.softmax(logp, 0) * (1 - ls) + ls / k
+    count = q - 3
+    c_ref = -(post * logp).sum() / count
+    k_ref = (post * (torch.log(post + 1e-8) - torch.log_softmax(out.logits[0, 0].double(), 0))).sum() / count
+    assert got["c_loss"].item() == pytest.approx(c_ref.item(), rel=1e-4)
+    assert got["k_loss"].item() == pytest.approx(k_ref.item(), rel=1e-4, abs=1e-6)
+
+
+def test_quantizer_masks_follow_the_schedule_and_the_generator():
+    conf = tr.TTSLossConfig()
+    a = tr.quantizer_masks((4, 500), 31, conf, torch.Generator().manual_seed(1), torch.device("cpu"))
+    b = tr.quantizer_masks((4, 500), 31, conf, torch.Generator().manual_seed(1), torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    src, keep = a
+    known = src.sum(-1)
+    # rate < 0.8 -> masked = ceil((1 - r^3)^(1/3) * 31) in [ceil(0.7874 * 31), 31] = [25, 31]: known in [0, 6]
+    assert known.min() == 0 and known.max() == 6
+    assert torch.equal(src, torch.arange(31) < known[..., None])  # a prefix
+    kept = keep.sum(-1)
+    assert 0.4 < (kept < 31).float().mean() < 0.6  # dropout 0.5 (randint can also give 31)
+    assert torch.equal(keep, torch.arange(31) < kept[..., None])
+
+
+# --------------------------------------------------------------------------------------
+# Gradients, overfitting
+
+
+def _example(model, frames=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    audio = torch.randn(frames * FRAME, generator=g) * 0.1
+    text = torch.randint(0, 300, (frames,), generator=g)
+    fn = torch.full((frames,), model.config.pad_token_id)
+    codes = torch.randint(0, model.config.tts_config.codebook_size, (frames, model.config.tts_config.num_quantizers),
+                          generator=g)
+    return audio, text, fn, codes
+
+
+def _losses(model, example, generator):
+    audio, text, fn, codes = example
+    stt = tr.stt_loss(model, tr.stt_forward(model, audio, text, fn, system_prompt=""), text, fn)
+    tts = tr.tts_loss(model, tr.tts_forward(model, text, codes, generator=generator), codes)
+    return stt["loss"], tts["loss"]
+
+
+def test_gradients_are_finite_and_only_on_trainables():
+    model = _model("f32").train()
+    model.requires_grad_(True)
+    model.tts_model.audio_codec.requires_grad_(False)  # NVIDIA's freeze_params: the codec (and embed_tokens for TTS)
+    stt, tts = _losses(model, _example(model), torch.Generator().manual_seed(0))
+    (stt + tts).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is None for n, g in grads.items() if n.startswith("tts_model.audio_codec."))
+    used = [n for n, g in grads.items() if g is not None]
+    assert all(torch.isfinite(grads[n]).all() for n in used)
+    for prefix in ("stt_model.llm.", "stt_model.perception.encoder.", "stt_model.lm_head", "stt_model.function_head",
+                   "tts_model.tts_model.backbone.", "tts_model.tts_model.mog_head.", "tts_model.tts_model.embed_subword."):
+        assert any(n.startswith(prefix) and grads[n].abs().sum() > 0 for n in used), prefix
+
+
+def test_one_conversation_overfits():
+    """Both losses fall by at least half within 100 steps on the tiny model (AdamW, full fine-tuning)."""
+    torch.manual_seed(0)
+    model = _model("f32").train()
+    model.requires_grad_(True)
+    model.tts_model.audio_codec.requires_grad_(False)
+    example = _example(model, frames=8)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    first = last = None
+    for step in range(100):
+        stt, tts = _losses(model, example, g)
+        if first is None:
+            first = (stt.item(), tts.item())
+        opt.zero_grad()
+        (stt + tts).backward()
+        opt.step()
+        last = (stt.item(), tts.item())
+        if last[0] < first[0] / 2 and last[1] < first[1] / 2:
+            break
+    assert last[0] < first[0] / 2 and last[1] < first[1] / 2, (first, last, step)
