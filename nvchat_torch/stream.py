@@ -41,7 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="most likely TTS component, no sampling noise")
     p.add_argument("--max-streaming-seconds", type=float, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    add_compile_argument(p)
     return p
+
+
+def add_compile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="inductor", default=False, choices=("inductor", "aot_eager", "eager"),
+                   help="run the frame step under torch.compile, one graph per frame (default backend: inductor; "
+                        "its first frames compile: see docs/performance.md)")
 
 
 def load_from_args(args):
@@ -56,8 +63,9 @@ def load_from_args(args):
               "  hf download mlx-community/NemotronLabs-VoiceChat-11B-4bit "
               "--local-dir weights/NemotronLabs-VoiceChat-11B-4bit\n"
               "and pass --model weights/NemotronLabs-VoiceChat-11B-4bit", file=sys.stderr)
-        return nv.load_tiny_model(device=args.device, dtype=dtype)
-    return nv.load_model(args.model, device=args.device, dtype=dtype, weights=args.weights)
+        return nv.load_tiny_model(device=args.device, dtype=dtype, compile=getattr(args, "compile", False))
+    return nv.load_model(args.model, device=args.device, dtype=dtype, weights=args.weights,
+                         compile=getattr(args, "compile", False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..stream import DTYPES
+from ..stream import DTYPES, add_compile_argument
 from .security import is_loopback, normalize_origin
 
 __all__ = ["main", "is_loopback"]
@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="NVIDIA's turn-taking policy for GA sessions (on: its stock values, docs/turn_taking.md; "
                         "off: the raw model decides alone); a session may choose otherwise with nvchat.turn_taking")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_compile_argument(p)
     return p
 
 
