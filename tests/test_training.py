@@ -14,6 +14,7 @@ import torch
 import nvchat_torch as nv
 from nvchat_torch import adapters, training as tr
 from nvchat_torch import training_labels as tl
+from nvchat_torch.quant import QuantizedLinear
 from nvchat_torch.tiny import random_model
 
 FRAME = 1280
@@ -306,3 +307,105 @@ def test_one_conversation_overfits():
         if last[0] < first[0] / 2 and last[1] < first[1] / 2:
             break
     assert last[0] < first[0] / 2 and last[1] < first[1] / 2, (first, last, step)
+
+
+# --------------------------------------------------------------------------------------
+# Adapters
+
+
+def _outputs(model, example):
+    audio, text, fn, codes = example
+    with torch.no_grad():
+        stt = tr.stt_forward(model, audio, text, fn, system_prompt="Be brief.")
+        tts = tr.tts_forward(model, text, codes, generator=torch.Generator().manual_seed(5))
+    return torch.cat([stt.text_logits.flatten(), stt.function_logits.flatten(), tts.logits.flatten(),
+                      tts.mu_res.flatten()])
+
+
+def _train_adapter(model, example, steps=3):
+    opt = torch.optim.AdamW(adapters.lora_parameters(model), lr=1e-2)
+    for _ in range(steps):
+        stt, tts = _losses(model, example, torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        (stt + tts).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("layout", ["f32", "q4"])
+def test_lora_zero_init_save_load_and_merge(layout, tmp_path):
+    model = _model(layout)
+    example = _example(model, frames=6)
+    base = _outputs(model, example)
+    # On the 4-bit card the adapters sit on the packed LLM (its TTS weights are bf16: a merge into them is
+    # rounded to bf16, as peft's merge into a bf16 base is).
+    targets = adapters.LLM_TARGETS if layout == "q4" else [adapters.LLM_TARGETS, adapters.TTS_TARGETS]
+    names = adapters.add_lora(model, r=4, alpha=8, targets=targets, generator=torch.Generator().manual_seed(0))
+    assert any(n.startswith("stt_model.llm.") for n in names)
+    assert any(n.startswith("tts_model.") for n in names) == (layout == "f32")
+    assert torch.equal(_outputs(model, example), base)  # B = 0: the adapter changes nothing
+    frozen = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    _train_adapter(model, example)
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in frozen.items())  # the base stays as it was
+    if layout == "q4":  # and packed
+        assert all(isinstance(m.base_layer, QuantizedLinear) for m in adapters.lora_modules(model).values())
+    tuned = _outputs(model, example)
+    assert not torch.allclose(tuned, base)
+    adapters.save_adapter(model, tmp_path / "adapter")
+    fresh = _model(layout)
+    adapters.load_adapter(fresh, tmp_path / "adapter")
+    assert torch.equal(_outputs(fresh, example), tuned)  # saved and loaded: identical
+    adapters.merge_lora(fresh)
+    assert not adapters.lora_modules(fresh)
+    torch.testing.assert_close(_outputs(fresh, example), tuned, rtol=1e-4, atol=1e-4)  # merged == unmerged
+
+
+def test_merged_card_loads(tmp_path):
+    model = _model("f32")
+    example = _example(model, frames=6)
+    adapters.add_lora(model, r=4, alpha=8, generator=torch.Generator().manual_seed(0))
+    _train_adapter(model, example, steps=2)
+    tuned = _outputs(model, example)
+    adapters.save_merged(model, tmp_path / "card")
+    loaded = nv.load_model(tmp_path / "card", device="cpu", dtype=torch.float32, prepare=False)
+    torch.testing.assert_close(_outputs(loaded, example), tuned, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mlx", "int4pack"])
+def test_packed_base_backward_is_the_dense_one(kind):
+    """QLoRA's backward: the input gradient through a frozen 4-bit base equals the dense matmul's, with
+    nothing dense saved for it."""
+    from nvchat_torch.quant import Int4PackedLinear, QuantSpec, quantize_affine
+    g = torch.Generator().manual_seed(0)
+    base = QuantizedLinear(128, 48, bias=True, spec=QuantSpec(4, 64), scale_dtype=torch.float32)
+    wq, s, b = quantize_affine(torch.randn(48, 128, generator=g), 4, 64)
+    base.weight.copy_(wq), base.scales.copy_(s), base.biases.copy_(b)
+    dense = base.dequantized(torch.float32)
+    if kind == "int4pack":
+        base = Int4PackedLinear(base, torch.float32)
+    layer = adapters.LoRALinear(base, r=2, alpha=2, generator=g)
+    torch.nn.init.normal_(layer.lora_B.weight, generator=g)
+    x = torch.randn(3, 128, generator=g, requires_grad=True)
+    layer(x).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.linear(x2, dense, base.bias) + layer.scaling * (x2 @ layer.lora_A.weight.t()) @ layer.lora_B.weight.t()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_peft_reads_our_adapter(tmp_path):
+    """peft (the ``train`` extra) loads a saved adapter onto the dense model and computes the same outputs."""
+    peft = pytest.importorskip("peft")
+    model = _model("f32")
+    example = _example(model, frames=6)
+    adapters.add_lora(model, r=4, alpha=8, targets=adapters.TTS_TARGETS, generator=torch.Generator().manual_seed(0))
+    _train_adapter(model, example, steps=2)
+    adapters.save_adapter(model, tmp_path / "adapter")
+    ours = _outputs(model, example)
+    other = _model("f32")
+    config = peft.LoraConfig.from_pretrained(str(tmp_path / "adapter"))
+    peft.inject_adapter_in_model(config, other)
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    result = peft.set_peft_model_state_dict(other, {k.removeprefix("base_model.model."): v for k, v in state.items()})
+    assert not result.unexpected_keys
+    torch.testing.assert_close(_outputs(other, example), ours, rtol=1e-5, atol=1e-5)
