@@ -409,3 +409,46 @@ def test_peft_reads_our_adapter(tmp_path):
     result = peft.set_peft_model_state_dict(other, {k.removeprefix("base_model.model."): v for k, v in state.items()})
     assert not result.unexpected_keys
     torch.testing.assert_close(_outputs(other, example), ours, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# The command line
+
+
+def test_finetune_command_line(tmp_path):
+    from nvchat_torch import finetune
+    from nvchat_torch.audio_io import write_wav
+    rng = np.random.default_rng(1)
+    write_wav(tmp_path / "user.wav", (rng.standard_normal(FRAME * 12) * 0.1).astype(np.float32), 16000)
+    write_wav(tmp_path / "agent.wav", (rng.standard_normal(1764 * 12) * 0.1).astype(np.float32), 22050)
+    entry = {"user_audio": "user.wav", "agent_audio": "agent.wav",
+             "turns": [{"start": 0.08, "end": 0.8, "text": "hello you"}]}
+    (tmp_path / "m.jsonl").write_text(json.dumps(entry) + "\n")
+    out = tmp_path / "run"
+    assert finetune.main(["--data", str(tmp_path / "m.jsonl"), "--out", str(out), "--steps", "3", "--lr", "1e-3",
+                          "--merge"]) == 0
+    log = [json.loads(line) for line in (out / "loss_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [1, 2, 3]
+    assert all(math.isfinite(e[k]) for e in log for k in ("loss", "stt_loss", "tts_loss", "c_loss", "k_loss"))
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    merged = nv.load_model(out / "model", device="cpu", dtype=torch.float32)  # the merged card loads
+    assert merged.config.text_config.vocab_size == 320
+    full = tmp_path / "full"
+    assert finetune.main(["--data", str(tmp_path / "m.jsonl"), "--out", str(full), "--steps", "2", "--full",
+                          "--objectives", "stt"]) == 0
+    assert (full / "model" / "model.safetensors").exists() and not (full / "adapter").exists()
+
+
+def test_full_fine_tuning_freezes_as_nvidia_does():
+    from nvchat_torch.finetune import set_trainable
+    model = _model("f32")
+    names = set_trainable(model, ["stt", "tts"])
+    assert not any(n.startswith(("tts_model.audio_codec.", "stt_model.rnnt_")) for n in names)
+    assert "tts_model.tts_model.rvq_embs" not in names
+    assert any(n.startswith("stt_model.llm.") for n in names) and any(n.startswith("tts_model.tts_model.backbone.") for n in names)
+    stt_only = set_trainable(model, ["stt"], freeze=[r"stt_model\.perception\..+"])
+    assert not any(n.startswith(("tts_model.", "stt_model.perception.")) for n in stt_only)
+    tts_and_head = set_trainable(model, ["tts"], keep=[r"stt_model\.lm_head\.weight"])  # prevent_freeze_params
+    assert "stt_model.lm_head.weight" in tts_and_head and not any(n.startswith("stt_model.llm.") for n in tts_and_head)
+    assert all(p.requires_grad == (n in tts_and_head) for n, p in model.named_parameters())
