@@ -271,16 +271,18 @@ def _losses(model, example, generator):
     return stt["loss"], tts["loss"]
 
 
-def test_gradients_are_finite_and_only_on_trainables():
-    model = _model("f32").train()
-    model.requires_grad_(True)
-    model.tts_model.audio_codec.requires_grad_(False)  # NVIDIA's freeze_params: the codec (and embed_tokens for TTS)
+@pytest.mark.parametrize("layout", ["f32", "bf16"])
+def test_gradients_are_finite_and_only_on_trainables(layout):
+    from nvchat_torch.finetune import set_trainable
+    model = _model(layout).train()
+    trainable = set(set_trainable(model, ["stt", "tts"]))  # NVIDIA's freezing: never the codec
     stt, tts = _losses(model, _example(model), torch.Generator().manual_seed(0))
     (stt + tts).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert all(g is None for n, g in grads.items() if n.startswith("tts_model.audio_codec."))
     used = [n for n, g in grads.items() if g is not None]
-    assert all(torch.isfinite(grads[n]).all() for n in used)
+    assert set(used) <= trainable and not any(n.startswith("tts_model.audio_codec.") for n in used)
+    assert all(torch.isfinite(grads[n]).all() and grads[n].dtype == dict(model.named_parameters())[n].dtype
+               for n in used)
     for prefix in ("stt_model.llm.", "stt_model.perception.encoder.", "stt_model.lm_head", "stt_model.function_head",
                    "tts_model.tts_model.backbone.", "tts_model.tts_model.mog_head.", "tts_model.tts_model.embed_subword."):
         assert any(n.startswith(prefix) and grads[n].abs().sum() > 0 for n in used), prefix
