@@ -73,6 +73,36 @@ def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict
             "first_step_s": times[0], "peak_MiB": peak_mb(device), "model_MiB": before}
 
 
+def llm_activations(positions: int) -> dict[str, float]:
+    """Bytes per position that autograd keeps for the backward of one full-size Nemotron-H block of each kind
+    (float32, input gradients only, as LoRA needs; the weights themselves not counted), measured with
+    saved-tensor hooks over ``positions`` positions: the full-size model's share, without building it."""
+    from nvchat_torch.nemotron_h import NemotronHModel
+    from nvchat_torch.network_config import TextConfig
+    from nvchat_torch.nvidia_release import FULL_SIZE_TEXT_CONFIG
+
+    per: dict[str, float] = {}
+    for block in "M*-":
+        values = {k: v for k, v in FULL_SIZE_TEXT_CONFIG.items() if k != "model_type"}
+        values.update(hybrid_override_pattern=block, num_hidden_layers=1, vocab_size=320)
+        llm = NemotronHModel(TextConfig.from_dict(values)).requires_grad_(False)
+        held = {t.untyped_storage().data_ptr() for t in [*llm.parameters(), *llm.buffers()]}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in held:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, positions, values["hidden_size"], requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            llm(x)
+        per[block] = sum(saved.values()) / positions
+    pattern = FULL_SIZE_TEXT_CONFIG["hybrid_override_pattern"]
+    per["all 56 blocks"] = sum(per[c] * pattern.count(c) for c in "M*-")
+    return per
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,9 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--one", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--activations", type=int, default=None, metavar="POSITIONS",
+                   help="instead: the full-size LLM's activation bytes per position (needs ~2 GB)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.activations:
+        for name, size in llm_activations(args.activations).items():
+            print(f"{name:>13}: {size / 1e3:8.1f} kB per position ({args.activations} positions)")
+        return 0
     if args.one:
         print(json.dumps(run_one(args.one, torch.device(args.device), args.seconds, args.steps)))
         return 0
