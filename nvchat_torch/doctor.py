@@ -9,7 +9,11 @@ preset: tiny widths, the real depths, 4-bit, written once to a cache folder; or 
 with the profiler table, the kernels and host reads of a steady-state frame, and the real-time
 factor.
 
-    python -m nvchat_torch.doctor [--device mps|cuda|cpu] [--model PATH] [--frames 50] [--dtype bfloat16]
+With ``--compile`` it then compiles the frame step (``torch.compile``, one graph per frame), checks 20
+frames against the eager step (the same ids and codes), times both, and reports; if compiling fails it
+names the reason and the model runs eager.
+
+    python -m nvchat_torch.doctor [--device mps|cuda|cpu] [--model PATH] [--frames 50] [--dtype bfloat16] [--compile]
 """
 
 from __future__ import annotations
@@ -121,9 +125,27 @@ def peak_memory(device: torch.device) -> float:
     return float(rss * (1 if sys.platform == "darwin" else 1024))
 
 
+class CompositePath:
+    """Inside the block the model runs the composite torch code, not its fused CPU kernels: what MPS and
+    CUDA run, so an audit of it says what MPS would run (the fused ops are CPU-only)."""
+
+    def __init__(self, model: Any):
+        self.fused = [m for m in model.modules() if getattr(m, "cpu_kernels", False)]
+
+    def __enter__(self) -> None:
+        for m in self.fused:
+            m.cpu_kernels = False
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.fused:
+            m.cpu_kernels = True
+
+
 def run_frames(model: Any, frames: int, warmup: int = 3) -> dict:
     """Stream ``frames`` 80 ms frames: ``warmup`` cold ones, one steady-state frame under the op and
-    host-read counters (counting slows it: not timed), then the rest timed with the profiler."""
+    host-read counters (counting slows it: not timed), then the rest timed with the profiler. The op
+    audit (what MPS would run) records that frame again on the composite path where the fused CPU
+    kernels ran it."""
     session = model.create_streaming_session(StreamingOptions(system_prompt="you are a helpful assistant", seed=0,
                                                               profile=True))
     wave = tone(frames * FRAME / 16000)
@@ -131,8 +153,15 @@ def run_frames(model: Any, frames: int, warmup: int = 3) -> dict:
     for chunk in chunks[:warmup]:
         session.push_audio(chunk, 16000)
     recorder = OpRecorder()
-    with count_host_reads() as reads, OpCounter() as ops, recorder:
+    recorder.scenario = f"frame {warmup} (as MPS runs it)"
+    with count_host_reads() as reads, OpCounter() as ops:
         session.push_audio(chunks[warmup], 16000)
+    audit_session = model.create_streaming_session(StreamingOptions(system_prompt="you are a helpful assistant"))
+    with CompositePath(model):
+        for chunk in chunks[:warmup]:
+            audit_session.push_audio(chunk, 16000)
+        with recorder:
+            audit_session.push_audio(chunks[warmup], 16000)
     session.profile.frames.clear()
     synchronize(model.device)
     start = time.perf_counter()
@@ -146,8 +175,53 @@ def run_frames(model: Any, frames: int, warmup: int = 3) -> dict:
             "audit": Audit.of({"frame": recorder.named()})}
 
 
+def compile_check(model: Any, frames: int = 20) -> dict:
+    """Compile ``model``'s frame step and check ``frames`` deterministic frames against the eager step:
+    the same text and function ids and codes per frame. Returns the times (compile = the first frame,
+    then ms per frame of both) and the verdict; a failure to compile leaves the model eager and says why."""
+    wave = tone(frames * FRAME / 16000)
+    chunks = [wave[i:i + FRAME] for i in range(0, frames * FRAME, FRAME)]
+
+    def stream() -> tuple[list[tuple], float, float]:
+        session = model.create_streaming_session(StreamingOptions(system_prompt="you are a helpful assistant",
+                                                                  deterministic=True))
+        outputs, times = [], []
+        for chunk in chunks:
+            start = time.perf_counter()
+            events = session.push_audio(chunk, 16000)
+            synchronize(model.device)
+            times.append(time.perf_counter() - start)
+            audio = [e for e in events if e.kind == "audio"]
+            outputs += [(session.last_ids, tuple(int(c) for c in e.audio_codes)) for e in audio]
+        return outputs, times[0], 1000 * sum(times[1:]) / max(1, len(times) - 1)
+
+    eager, _, eager_ms = stream()
+    try:
+        model.compile_step()
+        compiled, first, compiled_ms = stream()
+    except Exception as e:  # noqa: BLE001 - the report names it, and the model runs eager
+        model.step_compiler = None
+        return {"ok": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "eager_ms": eager_ms}
+    differ = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
+    return {"ok": True, "first_s": first, "eager_ms": eager_ms, "compiled_ms": compiled_ms, "frames": len(compiled),
+            "differ": differ}
+
+
+def compile_lines(check: dict) -> list[str]:
+    lines = ["", "### Compiled frame step (--compile)", ""]
+    if not check["ok"]:
+        return lines + [f"- compiling failed: {check['why']}; the model runs eager "
+                        f"({check['eager_ms']:.1f} ms per frame)"]
+    same = "the same ids and codes on every frame" if check["differ"] is None else \
+        f"DIFFERENT from frame {check['differ']} on (please send us this report)"
+    return lines + [f"- first frame (compiles): {check['first_s']:.1f} s",
+                    f"- ms per frame after it: eager {check['eager_ms']:.1f}, compiled {check['compiled_ms']:.1f}",
+                    f"- compiled vs eager over {check['frames']} frames: {same}"]
+
+
 def report(device: str | None = None, model_path: str | None = None, frames: int = 50, seed: int = 0,
-           dtype: torch.dtype | None = None) -> str:
+           dtype: torch.dtype | None = None, compile: bool = False) -> str:
     """The doctor's Markdown report (what ``python -m nvchat_torch.doctor`` prints)."""
     from . import load_model
     from .model import default_device
@@ -162,6 +236,7 @@ def report(device: str | None = None, model_path: str | None = None, frames: int
             model = load_model(path, device=target, dtype=dtype)
             cpu_fallbacks.attach(model)  # model.describe() lists them
             run = run_frames(model, frames)
+            check = compile_check(model) if compile else None
     fell_back = sorted({str(w.message).splitlines()[0] for w in caught
                         if issubclass(w.category, RuntimeWarning) and not issubclass(w.category, CpuFallbackWarning)})
     fell_back += sorted({f"model: {m.fallback}" for m in model.modules()
@@ -190,6 +265,8 @@ def report(device: str | None = None, model_path: str | None = None, frames: int
               f"- wall time per frame: {run['wall_ms']:.1f} ms, real-time factor {run['rtf']:.3f} "
               "(< 1 keeps up with live audio)",
               f"- the doctor took {time.perf_counter() - started:.1f} s"]
+    if check is not None:
+        lines += compile_lines(check)
     return "\n".join(lines)
 
 
@@ -201,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated model")
     p.add_argument("--dtype", choices=["faithful", "float32", "bfloat16"], default="faithful",
                    help="the mode load_model runs (default: faithful; bfloat16 is the fast mode)")
+    p.add_argument("--compile", action="store_true",
+                   help="then compile the frame step, check 20 frames against eager, and time both")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for the generated model, whose tiny widths make every op "
                         "overhead-bound, so more threads only contend; torch's default with --model)")
@@ -211,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     dtype = None if args.dtype == "faithful" else getattr(torch, args.dtype)
-    print(report(args.device, args.model, args.frames, args.seed, dtype))
+    print(report(args.device, args.model, args.frames, args.seed, dtype, args.compile))
     return 0
 
 

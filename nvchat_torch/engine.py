@@ -37,60 +37,62 @@ class EngineSession:
 
     def __init__(self, engine: BatchEngine, session: StreamingSession, slot: int | None) -> None:
         self.engine = engine
-        self.session = session  # its host side: detokenizers, tool channel, limits, frame counter
+        # Its host side (detokenizers, tool channel, limits, frame counter): a session whose frames run as a
+        # row of the engine's step, so not one to push audio to (this handle buffers and the engine steps).
+        self._host = session
         self.slot = slot  # its row in the batch; None while its deferred prefill runs
         self._pending = np.zeros(0, dtype=np.float32)
-        self._frames: list[np.ndarray] = []  # complete frames waiting for a step
+        self._queued: list[np.ndarray] = []  # complete frames waiting for a step
         self.finishing = False  # flushed: done once its frames have run
         self.closed = False
 
     # ---- what the session shows
     @property
     def options(self) -> StreamingOptions:
-        return self.session.options
+        return self._host.options
 
     @property
     def frame_index(self) -> int:
-        return self.session.frame_index
+        return self._host.frame_index
 
     @property
     def text(self) -> str:
-        return self.session.text
+        return self._host.text
 
     @property
     def function_text(self) -> str:
-        return self.session.function_text
+        return self._host.function_text
 
     @property
     def user_transcript(self) -> str:
-        return self.session.user_transcript
+        return self._host.user_transcript
 
     @property
     def last_ids(self) -> tuple[int, int] | None:
-        return self.session.last_ids
+        return self._host.last_ids
 
     @property
     def max_seconds(self) -> float:
-        return self.session.max_seconds
+        return self._host.max_seconds
 
     @property
     def failure(self) -> BaseException | None:
         """What closed the session, if a step failed on it."""
-        return self.engine._failures.get(self)
+        return self.engine.failure_of(self)
 
     @property
     def pending_frames(self) -> int:
         """Complete frames waiting for a step."""
-        return len(self._frames)
+        return len(self._queued)
 
     @property
     def pending_tool_calls(self) -> list[str]:
-        return self.session.pending_tool_calls
+        return self._host.pending_tool_calls
 
     @property
     def profile(self) -> VoiceChatProfile:
         """With ``StreamingOptions(profile=True)``: the stage times of the steps that ran its frames."""
-        return self.session.profile
+        return self._host.profile
 
     @property
     def prefilling(self) -> bool:
@@ -108,19 +110,19 @@ class EngineSession:
         them, one frame per step. Bad input raises ``ValueError`` and changes nothing. Frames past the
         session's limit raise :class:`ContextLimit`; the ones before it are kept and run."""
         self._check_open("push_audio")
-        cfg = self.session.config
+        cfg = self._host.config
         chunk = as_mono_float32(samples, sample_rate, cfg.input_sample_rate)
         pending = np.concatenate([self._pending, chunk]) if self._pending.size else chunk
-        size = self.session.frame_samples
+        size = self._host.frame_samples
         n = pending.shape[0] // size
-        room = self.session.max_frames - self.frame_index - len(self._frames)
-        self._frames += [pending[i * size:(i + 1) * size] for i in range(min(n, room))]
+        room = self._host.max_frames - self.frame_index - len(self._queued)
+        self._queued += [pending[i * size:(i + 1) * size] for i in range(min(n, room))]
         self._pending = pending[n * size:].copy()
         if n > room:
             self._pending = np.zeros(0, dtype=np.float32)
-            limit = self.session.max_frames
+            limit = self._host.max_frames
             raise ContextLimit(f"the session reaches its limit of {limit} frames "
-                               f"({self.session.max_seconds:.1f} s): {n - room} frame(s) of this push were dropped")
+                               f"({self._host.max_seconds:.1f} s): {n - room} frame(s) of this push were dropped")
 
     def flush(self, pad_partial: bool = True) -> None:
         """End the stream: the partial frame, zero-padded if ``pad_partial`` (and within the limit), and
@@ -129,10 +131,10 @@ class EngineSession:
         if self.finishing and not self.closed:
             return
         self._check_open("flush")
-        if self._pending.size and pad_partial and self.frame_index + len(self._frames) < self.session.max_frames:
-            frame = np.zeros(self.session.frame_samples, dtype=np.float32)
+        if self._pending.size and pad_partial and self.frame_index + len(self._queued) < self._host.max_frames:
+            frame = np.zeros(self._host.frame_samples, dtype=np.float32)
             frame[:self._pending.size] = self._pending
-            self._frames.append(frame)
+            self._queued.append(frame)
         self._pending = np.zeros(0, dtype=np.float32)
         self.finishing = True
 
@@ -141,34 +143,34 @@ class EngineSession:
         if self.closed:
             return []
         self.engine._release(self)
-        return self.session.final_events(tools=False) + [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
+        return self._host.final_events(tools=False) + [VoiceChatEvent(kind="cancelled", frame_index=self.frame_index)]
 
     def drop_audio(self) -> int:
         """Drop the audio not run yet (buffered frames and the partial one); returns how many samples.
         The session goes on from the next audio pushed."""
         self._check_open("drop_audio")
-        dropped = len(self._frames) * self.session.frame_samples + self._pending.size
-        self._frames, self._pending = [], np.zeros(0, dtype=np.float32)
+        dropped = len(self._queued) * self._host.frame_samples + self._pending.size
+        self._queued, self._pending = [], np.zeros(0, dtype=np.float32)
         return dropped
 
     def send_tool_result(self, call_id: str, output: Any) -> None:
         """As :meth:`StreamingSession.send_tool_result`."""
-        self.session.send_tool_result(call_id, output)
+        self._host.send_tool_result(call_id, output)
 
     def force_tokens(self, channel: str, ids: Any) -> None:
         """As :meth:`StreamingSession.force_tokens`."""
-        self.session.force_tokens(channel, ids)
+        self._host.force_tokens(channel, ids)
 
     def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
         """As :meth:`StreamingSession.set_turn_taking`, from this session's next frame."""
         self._check_open("set_turn_taking")
-        self.session.set_turn_taking(config)
+        self._host.set_turn_taking(config)
         if self.slot is not None:
-            self.engine._frames.set_turn_taking(self.slot, self.session.options.turn_taking)
+            self.engine._frames.set_turn_taking(self.slot, self._host.options.turn_taking)
 
     def _check_open(self, call: str) -> None:
         if self.closed:
-            failure = self.engine._failures.get(self)
+            failure = self.engine.failure_of(self)
             if failure is not None:
                 raise RuntimeError(f"{call}: the session was closed when an engine step failed with "
                                    f"{type(failure).__name__}: {failure}; open a new one") from failure
@@ -195,10 +197,14 @@ class BatchEngine:
         self.max_sessions = max_sessions
         self.profile = VoiceChatProfile(frame_duration_ms=cfg.frame_duration * 1000.0) if profile else None
         self.steps = 0
-        self._frames = FrameStep(model)
+        self.frame_step = FrameStep(model)  # the batch: one row per slot
         self._slots: list[EngineSession | None] = []  # by slot (the FrameStep's rows)
         self._joining: list[EngineSession] = []  # deferred prefills, oldest first (see prefill)
         self._failures: dict[EngineSession, BaseException] = {}
+
+    def failure_of(self, handle: EngineSession) -> BaseException | None:
+        """What closed ``handle``, if a step or its prefill failed on it."""
+        return self._failures.get(handle)
 
     # ---- sessions
     @property
@@ -230,7 +236,7 @@ class BatchEngine:
             raise RuntimeError(f"the engine is full: {self.max_sessions} sessions are open (max_sessions)")
         handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill, own_frames=False),
                                None)
-        if handle.session.prefilling:
+        if handle._host.prefilling:
             self._joining.append(handle)
         else:
             self._join(handle)
@@ -253,7 +259,7 @@ class BatchEngine:
             pieces += 1
             handle = self._joining[0]
             try:
-                done = handle.session.prefill_step()
+                done = handle._host.prefill_step()
                 if done:
                     self._joining.pop(0)
                     self._join(handle)
@@ -266,22 +272,22 @@ class BatchEngine:
 
     def _join(self, handle: EngineSession) -> None:
         """Give a prefilled session a slot (the first free one, or a new row) and its caches."""
-        session = handle.session
-        handle.slot = self._frames.join(session._timeline, session._rnnt_state, session.options.turn_taking)
+        session = handle._host
+        handle.slot = session.join_into(self.frame_step)
         self._slots += [None] * (handle.slot + 1 - len(self._slots))
         self._slots[handle.slot] = handle
 
     def _release(self, handle: EngineSession) -> None:
         handle.closed = True
-        handle.session.closed = True
-        handle._frames, handle._pending = [], np.zeros(0, dtype=np.float32)
+        handle._host.closed = True
+        handle._queued, handle._pending = [], np.zeros(0, dtype=np.float32)
         if handle in self._joining:  # still prefilling: it holds no slot
             self._joining.remove(handle)
             return
         if self._slots[handle.slot] is handle:
             self._slots[handle.slot] = None
-            self._frames.leave(handle.slot)
-        del self._slots[len(self._frames.rows):]  # trailing free slots are cut off
+            self.frame_step.leave(handle.slot)
+        del self._slots[len(self.frame_step.rows):]  # trailing free slots are cut off
 
     # ---- the step
     def step(self) -> dict[EngineSession, list[VoiceChatEvent]]:
@@ -291,7 +297,7 @@ class BatchEngine:
         partly advanced) and is raised; one in a session's own events (its detokenizers, tool parsing)
         closes that session only, which then has no entry and a :attr:`EngineSession.failure`."""
         out: dict[EngineSession, list[VoiceChatEvent]] = {}
-        running = [s for s in self._slots if s is not None and s._frames]
+        running = [s for s in self._slots if s is not None and s._queued]
         if running:
             try:
                 packed, stamps = self._run(running)
@@ -302,13 +308,13 @@ class BatchEngine:
                 raise
             for s in running:
                 try:
-                    out[s] = s.session.frame_done(packed[s.slot], stamps)
+                    out[s] = s._host.frame_done(packed[s.slot], stamps)
                 except Exception as error:  # this session's host side failed: it alone ends
                     self._failures[s] = error
                     self._release(s)
         for s in self.sessions:
-            if s.finishing and not s._frames:
-                ending = s.session.final_events()
+            if s.finishing and not s._queued:
+                ending = s._host.final_events()
                 out.setdefault(s, []).extend(ending + [VoiceChatEvent(kind="done", frame_index=s.frame_index)])
                 self._release(s)
         return out
@@ -317,7 +323,7 @@ class BatchEngine:
         """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples, and
         the stage marks (each session that profiles records its frame's in ``frame_done``)."""
         profile = self.profile is not None or any(s.options.profile for s in running)
-        packed, stamps = self._frames.run({s.slot: s.session.frame_input(s._frames.pop(0)) for s in running},
+        packed, stamps = self.frame_step.run({s.slot: s._host.frame_input(s._queued.pop(0)) for s in running},
                                           profile)
         if self.profile is not None:
             self.profile.frames.append(FrameTiming.from_stamps(self.steps, stamps))

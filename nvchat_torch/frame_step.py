@@ -26,16 +26,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .compiled_step import batch_bucket
 from .conformer import ConformerRows
 from .diagnostics import return_freed_memory, synchronize
+from .frame_layout import (DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, LLM_POSITION,
+                           ROUNDS_KEYS, RUNS, RUNS_TTS, TABLE, TTS_POSITION, PackedLayout)
 from .gemma import TTSRows
 from .language_heads import fused_input, language_heads
 from .layers import linear
+from .mog import Draws
 from .nemotron_h import KVCache, LanguageRows, MambaCache
 from .rnnt import RnntState
 from .turn_taking import TurnTaking, TurnTakingConfig
 
 if TYPE_CHECKING:
+    from .compiled_step import StepCompiler
     from .networks import VoiceChatNetworks
     from .timeline import Timeline
     from .tools import ToolChannel
@@ -92,11 +97,48 @@ class RowState:
     round_keys_until: int = 0
 
 
+@dataclass(frozen=True)
+class _Flags:
+    """What picks the device step's graph (host-known; a compiled step is traced once per combination).
+    Eager, each is set only when needed; compiled, ``restore`` and ``mixed`` hold for every batch above
+    one, ``forcing`` always, and ``all_tts`` never, so a session's graphs do not change as it goes."""
+
+    restore: bool  # rows that sit out are put back (their recurrent state as it was)
+    turns: bool  # a row has the turn-taking policy
+    punctuating: bool  # ... with the transcript punctuation bias
+    sampling: bool  # a row draws (else every row is deterministic)
+    mixed: bool  # sampling and deterministic rows together (per-row choice)
+    all_tts: bool  # every row runs the TTS (none at timeline position 0)
+    round_keys: bool  # rows whose LLM keys are still rounded to bf16
+    forcing: bool  # rows force ids (tool results, force_tokens)
+
+
+@dataclass
+class _Step:
+    """A device step's inputs, from the prologue: the samples ``[B, 1280]``, the rows' table (:data:`TABLE`)
+    and the index tensors of the same upload, the TTS's random numbers, the graph's flags, and whether
+    to mark the stages (eager profiling)."""
+
+    frames: torch.Tensor
+    table: torch.Tensor
+    row_numbers: torch.Tensor  # [2B]
+    tts_positions: torch.Tensor  # [2B]: each session's two TTS rows
+    tts_ring: torch.Tensor  # [2B]: their sliding layers' ring slots
+    conformer_slot: torch.Tensor  # [B]
+    conformer_columns: torch.Tensor  # [B, ring slots attended]
+    hold: torch.Tensor | None  # [3, B] with turn-taking: held, text held at PAD, start-of-call id
+    draws: Draws | None
+    flags: _Flags
+    marks: bool
+
+
 class FrameStep:
     """The batched caches of up to any number of rows and the pass that steps them (see the module doc).
 
     ``perception_cache=False`` / ``language_cache=False``: the reference's cache-free diagnostics (the
     encoder over a window of recent audio; the LLM over the whole history every frame), for one row.
+    With the model's step compiler (``load_model(..., compile=True)``) the device step runs compiled,
+    its batch in powers of two (:func:`~nvchat_torch.compiled_step.batch_bucket`); the diagnostics stay eager.
     """
 
     def __init__(self, model: VoiceChatNetworks, *, perception_cache: bool = True, language_cache: bool = True) -> None:
@@ -113,6 +155,12 @@ class FrameStep:
         self._codec = model.tts_model.audio_codec
         self.rows: list[RowState | None] = []  # by slot; None: a free slot
         self._turns: TurnTaking | None = None  # the turn-taking policy, while any row has one
+        self.layout = PackedLayout(cfg.audio_config.max_symbols, cfg.tts_config.num_quantizers, cfg.output_frame_samples)
+        compiler: StepCompiler | None = getattr(model, "step_compiler", None)
+        self.compiler = compiler if perception_cache and language_cache else None
+        self._compiled = None if self.compiler is None else self.compiler.wrap(self._device_step)
+        self._rounds_keys = False  # a row's LLM keys were rounded to bf16 (compiled: the rounding stays in its graph)
+        self._unmarked = True  # buffers the compiler has not been told are dynamic
         # The cache-free diagnostics (one row): the audio window, and the LLM inputs so far.
         self._window_samples = self._perception.uncached_window_frames * cfg.input_frame_samples
         self._audio_window = torch.zeros(0, dtype=torch.float32, device=self.device)
@@ -137,6 +185,7 @@ class FrameStep:
         self._codes = self._silence.repeat(batch, 1, 1)
         self._codec_cache = self._codec.new_cache(batch)
         self._turns = None
+        self._unmarked = True
 
     def _recurrent(self) -> list[tuple[_Ref, int, int]]:
         """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
@@ -160,8 +209,11 @@ class FrameStep:
             refs += [((buffers, i), 0, 2) for i in range(len(buffers))]
         return refs
 
-    def _resize(self, batch: int) -> None:
-        """``batch`` slots: rows added at the end (zeros), or the last ones dropped (freed)."""
+    def _resize(self, rows: int) -> None:
+        """Room for ``rows`` slots (compiled: the next power of two): rows added at the end (zeros), or the
+        last ones dropped (freed)."""
+        batch = rows if self.compiler is None else batch_bucket(rows)
+        self._unmarked = True
         for ref, axis, per in self._buffers():
             t = _get(ref)
             have = t.shape[axis] // per
@@ -200,7 +252,8 @@ class FrameStep:
             if first:  # its prefilled caches become the step's, no copy made
                 self._take_caches(timeline)
             if slot == len(self.rows):
-                self._resize(slot + 1)
+                if slot + 1 > self.batch:
+                    self._resize(slot + 1)
                 self.rows.append(None)
             self.rows[slot] = self._adopt(slot, timeline, rnnt_state, clear=not first)
             self.set_turn_taking(slot, turn_taking)
@@ -272,6 +325,7 @@ class FrameStep:
                         mine.values[r, :, :n] = theirs.values[0, :, :n]
                     if n and theirs.keys.dtype == torch.bfloat16 and mine.keys.dtype != torch.bfloat16:
                         row.round_keys_until = theirs.blocks  # the reference stores bf16 until its next block
+                        self._rounds_keys = True
         row.tts_position = tts.offset
         for layer in range(len(tts.keys)):
             window = tts.windows[layer]
@@ -296,128 +350,27 @@ class FrameStep:
                 self._audio_window = self._audio_window[:0]
                 self._history = []
             elif len(self.rows) < self.batch:
-                self._resize(len(self.rows))
+                self._resize(len(self.rows))  # compiled: only down to a smaller power of two
 
-    # ---- the step
+    # ---- the step: a host prologue (the one upload), the device step, a host epilogue (the one read)
     def run(self, inputs: dict[int, FrameInput], profile: bool = False) -> tuple[np.ndarray, list[float]]:
         """One frame for each slot in ``inputs``; the other rows sit out. Returns ``[batch, values]``: each
-        row's transcript ids, (text, function) ids, codes and samples (then, while a row has turn-taking,
-        each row's reason code: bits of ``turn_taking.REASONS``), read from the device at once, and
+        row's values in the layout :attr:`layout` names (transcript ids, text and function ids, codes,
+        samples, and while a row has turn-taking its reason code), read from the device at once, and
         the stage marks (``time.perf_counter()`` at the start and after perception, RNNT, LLM, TTS and
-        codec, each after a device sync when ``profile``; else the start and the end)."""
-        cfg, device, batch = self.config, self.device, self.batch
+        codec, each after a device sync when ``profile`` and the step is eager; else the start and the
+        end)."""
         stamps = [time.perf_counter()]
-
-        def mark() -> None:
-            if profile:
-                synchronize(device)
-                stamps.append(time.perf_counter())
-
-        frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
-        # Per row: frame index, LLM position, TTS position, runs (0/1), runs the TTS, rounds its keys.
-        ints = np.zeros((6, batch), dtype=np.int64)
-        generators: list[torch.Generator | None] = [None] * batch
-        for r, row in enumerate(self.rows):
-            if row is None:
-                continue
-            ints[:3, r] = (row.frame_index, row.llm_position, row.tts_position)
-            given = inputs.get(r)
-            if given is None:  # sits out at its own positions: its writes land past them
-                continue
-            frames[r] = given.samples
-            tts_runs = row.timeline_index > 0  # timeline position 0 runs no TTS
-            ints[3:, r] = (1, tts_runs, row.llm_position < row.round_keys_until)
-            if tts_runs:
-                generators[r] = given.generator
-        everyone = len(inputs) == batch
-        # The TTS's modes: all rows deterministic, all that draw this step sampling, or a mix (per row).
-        # One session's generator is passed as itself: the same draws as a list of one, fewer ops.
-        samplers = [g for g in generators if g is not None]
-        deterministic: bool | torch.Tensor = not samplers
-        mixed = bool(samplers) and any(generators[r] is None and ints[4, r] for r in inputs)
-        generator = generators[0] if batch == 1 else generators
-        # What the host knows of the rows, sent in one copy: the per-row table above, the row numbers,
-        # each session's two TTS rows' positions and sliding-ring slots, the Conformer ring slots and
-        # distance columns (the first `length` slots while the running rows are aligned and filling).
-        run = [int(ints[0, r]) for r in inputs]  # the frames each running row has run
-        least, aligned = min(run), min(run) == max(run)
-        ring = self._perception.encoder.left + 1
-        length = min(least + 1, ring) if aligned else ring
-        slot = ints[0] % ring
-        columns = (np.arange(length) - slot[:, None]) % ring
-        tts2 = np.repeat(ints[2], 2)
-        window = self._speech.tts_model.backbone.window
-        sizes = (6 * batch, 2 * batch, 2 * batch, 2 * batch, batch, batch * length)
-        host = np.concatenate([ints.ravel(), np.arange(2 * batch), tts2, tts2 % window, slot, columns.ravel()])
-        turns = self._turns
-        if turns is not None:  # per row: held, text held at PAD, start-of-call id (rides in the same copy)
-            holds = np.zeros((3, batch), dtype=np.int64)
-            holds[2] = -1
-            for r, given in inputs.items():
-                holds[:, r] = (given.held, given.pad_text, given.call_start)
-            sizes += (3 * batch,)
-            host = np.concatenate([host, holds.ravel()])
+        step = self._prologue(inputs, profile and self._compiled is None)
         with torch.inference_mode():
-            table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns, *hold = \
-                torch.from_numpy(host).to(device).split(sizes)
-            table = table.view(6, batch)
-            frame_index, llm_pos = table[0], table[1]
-            if mixed:
-                deterministic = torch.tensor([g is None for g in generators], device=device)
-            state = self._recurrent() if turns is None else \
-                self._recurrent() + [((turns, name), 0, 1) for name in turns.STATE]
-            saved = [] if everyone else [(ref, axis, per, _get(ref).clone()) for ref, axis, per in state]
-            encoder = self._perception.encoder
-            self._conformer.least, self._conformer.aligned = least, aligned
-            conformer_rows = ConformerRows(row_numbers[:batch], conformer_slot, conformer_columns.view(batch, length),
-                                           encoder.ring_mask(frame_index, self._conformer), length)
-            projected, encoded = self._perceive(torch.from_numpy(frames).to(device), frame_index, conformer_rows)
-            mark()
-            transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
-            if turns is not None:
-                user_blank = transcript_ids[0] < 0  # the frame's first argmax was blank (before punctuation)
-                if turns.punctuating:
-                    transcript_ids = self._punctuate(turns, encoded, transcript_ids)
-            mark()
-            fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:],
-                                cfg.function_channel_weight)
-            round_keys = table[5].bool() if ints[5].any() else None
-            # Rows that run all at the last position (a lone session): no per-row masks to make.
-            end = int(ints[1].max()) + 1
-            rows = LanguageRows.make(llm_pos, end, round_keys, all(ints[1, r] == end - 1 for r in inputs),
-                                     row_numbers[:batch])
-            hidden = self._language_step(fused, rows)
-            ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
-            for r, given in inputs.items():  # force_tokens / a tool result: queued ids replace this row's outputs
-                if given.tools is not None and given.tools.forcing:
-                    ids[r] = given.tools.apply(ids[r])
-            if turns is not None:
-                ids = self._take_turns(turns, ids, user_blank, hold[0].view(3, batch))
-            self._ids = ids
-            mark()
-            end = int(ints[2].max()) + 1
-            tts_rows = TTSRows.make(tts_positions, end, window, all(ints[2, r] == end - 1 for r in inputs),
-                                    row_numbers, tts_ring)
-            codes = self._speech.step(self._codes, ids[:, 0], self._tts, generator, deterministic, tts_rows)
-            if not ints[4].all():  # a row at timeline position 0 runs no TTS: silence, its codes kept
-                tts_runs = table[4, :, None, None].bool()
-                codes = torch.where(tts_runs, codes, self._silence)
-                self._codes = torch.where(tts_runs, codes, self._codes)
+            if step.marks:
+                packed = self._device_step(step, stamps)
+            elif self._compiled is not None:
+                with self.compiler.settings():
+                    packed = self._compiled(step, None)
             else:
-                self._codes = codes
-            mark()
-            clean = self._speech.replace_control_codes(codes)
-            samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
-            runs = table[3].bool() if saved else None
-            for ref, axis, per, before in saved:  # rows that sat out: as they were
-                keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
-                _set(ref, torch.where(keep, _get(ref), before))
-            # One host read for the whole batch: cat promotes the ids to the samples' float32 (a no-op
-            # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
-            values = [transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()]
-            if turns is not None:
-                values.append(turns.reason[:, None])
-            packed = torch.cat(values, dim=1).numpy(force=True)
+                packed = self._device_step(step, None)
+            values = packed.numpy(force=True)  # the one host read
         stamps.append(time.perf_counter())
         for r in inputs:
             row = self.rows[r]
@@ -425,7 +378,152 @@ class FrameStep:
             row.llm_position += 1
             row.frame_index += 1
             row.timeline_index += 1
-        return packed, stamps
+        return values, stamps
+
+    def _prologue(self, inputs: dict[int, FrameInput], marks: bool) -> _Step:
+        """The host's part before the step: what it knows of the rows as one table, uploaded in one copy,
+        the frame's samples, the TTS's random numbers (drawn from the rows' generators), the caches'
+        room for the step (grown in whole blocks, here and never inside the step), and the flags that
+        pick the step's graph (under the compiler, a few fixed ones: see :class:`_Flags`)."""
+        cfg, device, batch, static = self.config, self.device, self.batch, self._compiled is not None
+        frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
+        # What the host knows of each row, one column per row (the fields: TABLE).
+        ints = np.zeros((len(TABLE), batch), dtype=np.int64)
+        generators: list[torch.Generator | None] = [None] * batch
+        for r, row in enumerate(self.rows):
+            if row is None:
+                continue
+            ints[[FRAME, LLM_POSITION, TTS_POSITION], r] = (row.frame_index, row.llm_position, row.tts_position)
+            given = inputs.get(r)
+            if given is None:  # sits out at its own positions: its writes land past them
+                continue
+            frames[r] = given.samples
+            tts_runs = row.timeline_index > 0  # timeline position 0 runs no TTS
+            ints[[RUNS, RUNS_TTS, ROUNDS_KEYS], r] = (1, tts_runs, row.llm_position < row.round_keys_until)
+            if given.tools is not None and given.tools.forcing:  # force_tokens / a tool result
+                ints[FORCED_TEXT:FORCES_FUNCTION + 1, r] = given.tools.take_forced()
+            if tts_runs:
+                generators[r] = given.generator
+            ints[DRAWS, r] = generators[r] is not None
+        # The TTS's modes: all rows deterministic, or sampling (with deterministic rows among them: a mix).
+        # One session's generator is passed as itself: the same draws as a list of one.
+        samplers = [g for g in generators if g is not None]
+        mixed = bool(samplers) and (static and batch > 1 or any(generators[r] is None and ints[RUNS_TTS, r] for r in inputs))
+        turns = self._turns
+        flags = _Flags(restore=len(inputs) < batch or static and batch > 1,
+                       turns=turns is not None, punctuating=turns is not None and turns.punctuating,
+                       sampling=bool(samplers), mixed=mixed, all_tts=not static and bool(ints[RUNS_TTS].all()),
+                       round_keys=self._rounds_keys if static else bool(ints[ROUNDS_KEYS].any()),
+                       forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()))
+        # The Conformer ring: the first `length` slots while the running rows are aligned and filling (eager;
+        # compiled, the whole ring, masked: a fixed shape).
+        run = [int(ints[FRAME, r]) for r in inputs]  # the frames each running row has run
+        least, aligned = (0, False) if static else (min(run), min(run) == max(run))
+        ring = self._perception.encoder.left + 1
+        length = min(least + 1, ring) if aligned else ring
+        slot = ints[FRAME] % ring
+        columns = (np.arange(length) - slot[:, None]) % ring
+        tts2 = np.repeat(ints[TTS_POSITION], 2)
+        window = self._speech.tts_model.backbone.window
+        sizes = [len(TABLE) * batch, 2 * batch, 2 * batch, 2 * batch, batch, batch * length]
+        host = [ints.ravel(), np.arange(2 * batch), tts2, tts2 % window, slot, columns.ravel()]
+        if turns is not None:  # per row: held, text held at PAD, start-of-call id (rides in the same copy)
+            holds = np.zeros((3, batch), dtype=np.int64)
+            holds[2] = -1
+            for r, given in inputs.items():
+                holds[:, r] = (given.held, given.pad_text, given.call_start)
+            sizes.append(3 * batch)
+            host.append(holds.ravel())
+        with torch.inference_mode():
+            # Room for every row's next position (rows that sit out write at theirs too), in whole blocks.
+            grew = self._tts.reserve(int(ints[TTS_POSITION].max()) + 1)
+            if self.language_cache:
+                grew |= self._language.reserve(int(ints[LLM_POSITION].max()) + 1)
+            if static and (grew or self._unmarked):  # new buffers: their capacity is dynamic to the compiler
+                self.compiler.mark_capacity(self._language.tensors() + self._tts.keys + self._tts.values)
+                self._unmarked = False
+            table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns, *hold = \
+                torch.from_numpy(np.concatenate(host)).to(device).split(sizes)
+            draws = None
+            if samplers:
+                draws = self._speech.tts_model.draws(generators[0] if batch == 1 else generators, batch, device)
+        self._conformer.least, self._conformer.aligned = least, aligned
+        return _Step(torch.from_numpy(frames).to(device), table.view(len(TABLE), batch), row_numbers, tts_positions, tts_ring,
+                     conformer_slot, conformer_columns.view(batch, length), hold[0].view(3, batch) if hold else None,
+                     draws, flags, marks)
+
+    def _device_step(self, step: _Step, stamps: list[float] | None) -> torch.Tensor:
+        """The frame on the device: a function of the step's tensors and the caches, which it updates in
+        place (so a compiled step's buffers stay its own: what CUDA graphs replay). Returns the packed
+        ``[batch, values]``. ``stamps``: the stage marks to append (eager and profiling only)."""
+        cfg, batch, flags = self.config, self.batch, step.flags
+
+        def mark() -> None:
+            if stamps is not None:
+                synchronize(self.device)
+                stamps.append(time.perf_counter())
+
+        turns = self._turns if flags.turns else None
+        table = step.table
+        frame_index, llm_pos = table[FRAME], table[LLM_POSITION]
+        state = self._recurrent() if turns is None else \
+            self._recurrent() + [((turns, name), 0, 1) for name in turns.STATE + ("reason",)]
+        buffers = [_get(ref) for ref, _, _ in state]
+        saved = [t.clone() for t in buffers] if flags.restore else []
+        encoder = self._perception.encoder
+        conformer_rows = ConformerRows(step.row_numbers[:batch], step.conformer_slot, step.conformer_columns,
+                                       encoder.ring_mask(frame_index, self._conformer), step.conformer_columns.shape[1])
+        projected, encoded = self._perceive(step.frames, frame_index, conformer_rows)
+        mark()
+        transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
+        if turns is not None:
+            user_blank = transcript_ids[0] < 0  # the frame's first argmax was blank (before punctuation)
+            if flags.punctuating:
+                transcript_ids = self._punctuate(turns, encoded, transcript_ids)
+        mark()
+        fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:], cfg.function_channel_weight)
+        round_keys = table[ROUNDS_KEYS].bool() if flags.round_keys else None
+        rows = LanguageRows.make(llm_pos, self._language.capacity, round_keys, step.row_numbers[:batch])
+        hidden = self._language_step(fused, rows)
+        ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
+        if flags.forcing:  # force_tokens / a tool result: queued ids replace a row's outputs
+            ids = torch.where(table[FORCES_TEXT:FORCES_FUNCTION + 1].t().bool(), table[FORCED_TEXT:FORCED_FUNCTION + 1].t(), ids)
+        if turns is not None:
+            ids = self._take_turns(turns, ids, user_blank, step.hold)
+        self._ids = ids
+        mark()
+        tts_rows = TTSRows.make(step.tts_positions, self._tts.capacities(), self._speech.tts_model.backbone.window,
+                                step.row_numbers, step.tts_ring)
+        deterministic: bool | torch.Tensor = not flags.sampling
+        if flags.mixed:  # rows that draw nothing this step take the most likely component
+            deterministic = table[DRAWS] == 0
+        codes = self._speech.step(self._codes, ids[:, 0], self._tts, step.draws, deterministic, tts_rows)
+        if not flags.all_tts:  # a row at timeline position 0 runs no TTS: silence, its codes kept
+            tts_runs = table[RUNS_TTS, :, None, None].bool()
+            codes = torch.where(tts_runs, codes, self._silence)
+            self._codes = torch.where(tts_runs, codes, self._codes)
+        else:
+            self._codes = codes
+        mark()
+        clean = self._speech.replace_control_codes(codes)
+        samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
+        runs = table[RUNS].bool()
+        for (ref, axis, per), buffer, before in zip(state, buffers, saved or [None] * len(state)):
+            new = _get(ref)
+            if before is not None:  # a row that sat out: as it was
+                keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
+                new = torch.where(keep, new, before)
+            if new is not buffer and new.dtype == buffer.dtype:  # in place: the step's buffers stay its own
+                buffer.copy_(new)
+                _set(ref, buffer)
+            else:
+                _set(ref, new)
+        # One packed tensor for the whole batch: cat promotes the ids to the samples' float32 (a no-op
+        # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
+        values = [transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()]
+        if turns is not None:
+            values.append(turns.reason[:, None])
+        return torch.cat(values, dim=1)
 
     def _punctuate(self, turns: TurnTaking, encoded: torch.Tensor, transcript_ids: torch.Tensor) -> torch.Tensor:
         """The transcript punctuation bias (``TurnTaking.punctuate``) on the frame's RNNT ids: the joint's

@@ -17,8 +17,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TTSConfig
-from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, norm_linear
-from .nemotron_h import grown_capacity
+from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, grown_capacity, norm_linear
 from .quant import fuse_linears
 
 __all__ = ["GatedMLP", "FusedGatedMLP", "Rotary", "FusedQKV", "TTSCache", "TTSRows", "GemmaAttention", "FusedGemmaAttention",
@@ -175,7 +174,7 @@ class TTSCache:
 
     A global layer (``window`` None) keeps every position at slot = position. A sliding layer keeps
     the last ``window`` positions, the current one included, in a ring (slot = position % window).
-    Buffers grow on the host by :func:`~nvchat_torch.nemotron_h.grown_capacity` (a sliding one up to its
+    Buffers grow on the host by :func:`~nvchat_torch.layers.grown_capacity` (a sliding one up to its
     window, a global one up to ``limit``) and are written in place. ``offset``: positions written so far
     (warmup included), the next RoPE position.
     """
@@ -226,56 +225,66 @@ class TTSCache:
             held = min(start + n, window)
         return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
 
-    def row_slots(self, layer: int, rows: "TTSRows") -> tuple[int, torch.Tensor]:
-        """Room for a step of ``rows`` in ``layer``: the slots any row holds after it, and each row's slot
-        (its position, or position % window in a sliding layer)."""
-        window = self.windows[layer]
-        held = rows.end if window is None else min(rows.end, window)
-        self._reserve(layer, held)
-        return held, rows.positions if window is None else rows.ring_slots
+    def reserve(self, end: int) -> bool:
+        """Room for positions ``[0, end)`` in every layer (a sliding one up to its window), grown in whole
+        blocks outside any step; returns whether a buffer grew (a compiled step then sees a new capacity)."""
+        grew = False
+        for layer, window in enumerate(self.windows):
+            needed = end if window is None else min(end, window)
+            grew |= needed > self.keys[layer].shape[2]
+            self._reserve(layer, needed)
+        return grew
+
+    def capacities(self) -> tuple[int, int]:
+        """The slots a global layer and a sliding layer hold (0 where there is no such layer)."""
+        held = {window is None: self.keys[layer].shape[2] for layer, window in enumerate(self.windows)}
+        return held.get(True, 0), held.get(False, 0)
+
+    def row_slots(self, layer: int, rows: "TTSRows") -> torch.Tensor:
+        """Each row's slot in ``layer``: its position, or position % window in a sliding layer."""
+        return rows.positions if self.windows[layer] is None else rows.ring_slots
 
     def write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                    rows: "TTSRows") -> tuple[torch.Tensor, torch.Tensor]:
         """One position per row ``[R, kv_heads, 1, head_dim]``, each at its own ``rows.positions`` (slot =
-        position, or position % window in a sliding layer); returns the slots any row holds."""
-        held, slots = self.row_slots(layer, rows)
+        position, or position % window in a sliding layer), written in place; returns the whole buffers,
+        whose slots past a row's position its masks block (the caller reserved the room: :meth:`reserve`)."""
+        slots = self.row_slots(layer, rows)
         self.keys[layer][rows.batch, :, slots] = keys[:, :, 0]
         self.values[layer][rows.batch, :, slots] = values[:, :, 0]
-        return self.keys[layer][:, :, :held], self.values[layer][:, :, :held]
+        return self.keys[layer], self.values[layer]
 
 
 @dataclass
 class TTSRows:
     """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_step`), made once per step
     by :meth:`make` and shared by the layers: ``positions [R]`` (long, on the device; a session's two
-    rows share theirs), ``end``, the largest plus one, and per row its sliding layers' ring slot. Masks:
-    a row attends its positions up to its own (``held [R, 1, 1, end]``), and a sliding layer's ring
-    only as far as the row has filled it (``ring [R, 1, 1, min(end, window)]``). ``position``: when the
-    caller knows every row is at ``end - 1`` (a lone session), that position, and no masks (every slot
-    held is filled), and the rotations are table slices."""
+    rows share theirs), the row numbers, and per row its sliding layers' ring slot. Masks over the whole
+    buffers (:meth:`TTSCache.capacities`): a global layer's slots up to the row's position (``held [R, 1,
+    1, global capacity]``), a sliding layer's ring only as far as the row has filled it (``ring [R, 1, 1,
+    sliding capacity]``). Nothing depends on a host-side position: the step's shapes are the buffers',
+    which change only when a block is added."""
 
     positions: torch.Tensor
-    end: int
     batch: torch.Tensor
     ring_slots: torch.Tensor
-    held: torch.Tensor | None
-    ring: torch.Tensor | None
-    position: int | None = None
+    held: torch.Tensor
+    ring: torch.Tensor
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, window: int, uniform: bool = False,
+    def make(cls, positions: torch.Tensor, capacities: tuple[int, int], window: int,
              batch: torch.Tensor | None = None, ring_slots: torch.Tensor | None = None) -> "TTSRows":
-        """``batch`` (the row numbers) and ``ring_slots`` (``positions % window``): if the caller has them
-        on the device already."""
+        """``capacities``: the global and sliding layers' slots; ``batch`` (the row numbers) and
+        ``ring_slots`` (``positions % window``): if the caller has them on the device already."""
         if batch is None:
             batch = torch.arange(positions.shape[0], device=positions.device)
         if ring_slots is None:
             ring_slots = positions % window
-        if uniform:
-            return cls(positions, end, batch, ring_slots, None, None, end - 1)
-        held = torch.arange(end, device=positions.device) <= positions[:, None]  # a global layer's slot = position
-        # A sliding layer's ring slot j holds some position <= the row's; it is filled once the row got there.
-        return cls(positions, end, batch, ring_slots, held[:, None, None], held[:, None, None, :window])
+        slots = torch.arange(max(capacities), device=positions.device)
+        # A global layer's slot = position; a sliding layer's ring slot j holds some position <= the row's,
+        # and is filled once the row got there.
+        held = (slots <= positions[:, None])[:, None, None]
+        return cls(positions, batch, ring_slots, held[..., :capacities[0]], held[..., :capacities[1]])
 
 
 class GemmaAttention(AttentionProjections):
@@ -350,13 +359,13 @@ class FusedGemmaAttention(FusedQKV, GemmaAttention, FusedOnCpu):
                 rows: TTSRows | None = None) -> torch.Tensor:
         if not (self.cpu_kernels and rows is not None and len(rope) == 1 and cpu_kernels.usable(x, rope[0])):
             return super().forward(x, batch, length, rope, cache, layer, mask, rows)
-        held, slots = cache.row_slots(layer, rows)
+        slots = cache.row_slots(layer, rows)
         keys, values = cache.keys[layer], cache.values[layer]
         if not cpu_kernels.usable(keys, values):
             return super().forward(x, batch, length, rope, cache, layer, mask, rows)
         q = torch.ops.nvchat_cpu.gemma_qk_step(self.qkv_proj(x), self.qk_scale, rope[0].view(-1, self.head_dim, self.head_dim),
                                                keys, values, slots, self.q_norm.eps)
-        return self.attend_held(q, keys[:, :, :held], values[:, :, :held], mask)
+        return self.attend_held(q, keys, values, mask)
 
 
 class GemmaLayer(nn.Module):
@@ -418,8 +427,8 @@ class GemmaBackbone(nn.Module):
     def _run(self, x: torch.Tensor, cache: TTSCache | None, masks: dict[bool, torch.Tensor],
              rows: TTSRows | None = None) -> torch.Tensor:
         batch, length, width = x.shape
-        if rows is not None:  # one rotation matrix per row (or for all) and RoPE base
-            at = rows.positions if rows.position is None else rows.position
+        if rows is not None:  # one rotation matrix per row and RoPE base
+            at = rows.positions
             tables = {False: (self.rope_global.rotation_rows(at, x.dtype),),
                       True: (self.rope_local.rotation_rows(at, x.dtype),)}
         else:
@@ -444,9 +453,11 @@ class GemmaBackbone(nn.Module):
         return out
 
     def rows_at(self, cache: TTSCache, rows: int = 2) -> TTSRows:
-        """``rows`` rows all at ``cache.offset``: one stream's step (its conditional and unconditional rows)."""
+        """``rows`` rows all at ``cache.offset``: one stream's step (its conditional and unconditional rows),
+        with room reserved for it."""
+        cache.reserve(cache.offset + 1)
         positions = torch.full((rows,), cache.offset, dtype=torch.long, device=self.norm.weight.device)
-        return TTSRows.make(positions, cache.offset + 1, self.window, uniform=True)
+        return TTSRows.make(positions, cache.capacities(), self.window)
 
     def forward_step(self, x: torch.Tensor, cache: TTSCache, rows: TTSRows | None = None) -> torch.Tensor:
         """The streaming step: one position per row ``[R, 1, H]``, each at its own ``rows.positions``,

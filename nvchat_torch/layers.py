@@ -34,7 +34,7 @@ from . import cpu_kernels
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
-           "ACTIVATIONS"]
+           "ACTIVATIONS", "KV_BLOCK", "grown_capacity"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -86,6 +86,21 @@ def add_linear(x: torch.Tensor, module: nn.Module, h: torch.Tensor, alpha: float
         return torch.addmm(x.view(rows, -1), h.reshape(rows, -1).to(dtype), w.to(dtype).t(), alpha=alpha).view_as(x)
     y = module(h) if weight is None else linear(h, weight, module.bias)
     return torch.add(x, y, alpha=alpha)
+
+
+
+KV_BLOCK = 256  # key/value caches grow by whole blocks of this many slots (MLX KVCache.step)
+
+
+def grown_capacity(capacity: int, needed: int, limit: int | None = None) -> int:
+    """The next length of a key/value buffer that holds ``capacity`` positions and must hold ``needed``:
+    whole ``KV_BLOCK``s, at least 1.5 times the old length (so the copies of a whole session add up to
+    O(positions): a buffer grows about a dozen times in an hour), and not past ``limit`` unless
+    ``needed`` is."""
+    size = -(-max(needed, capacity * 3 // 2) // KV_BLOCK) * KV_BLOCK
+    if limit is not None:
+        size = min(size, limit)
+    return max(size, needed)
 
 
 class FusedOnCpu:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins  # the annotations inside VoiceChatModel, whose float() method hides the type
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -212,7 +213,7 @@ def open_checkpoint(folder: Path, tokenizer: str | os.PathLike | None = None,
 def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, weights: str = "auto", *, prepare: bool = True,
                tokenizer: str | os.PathLike | None = None,
-               quantize: dict[str, Any] | QuantSpec | None = None) -> VoiceChatModel:
+               quantize: dict[str, Any] | QuantSpec | None = None, compile: bool | str = False) -> VoiceChatModel:
     """Load a NemotronLabs VoiceChat checkpoint (local folder or Hub repo id) for inference.
 
     Two layouts load: the mlx-community cards (flat config.json, shards), and NVIDIA's own release
@@ -242,6 +243,11 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     as MLX dequantizes); "auto" picks the fastest faithful path (:func:`auto_dequantizes`). ``prepare``:
     apply the speed-up transforms (:meth:`VoiceChatModel.prepare`); pass False for a model whose
     state_dict is exactly the checkpoint's.
+
+    ``compile``: run the sessions' and engines' frame step under ``torch.compile``, one graph per frame
+    (:meth:`VoiceChatModel.compile_step`; True is inductor, a string names the backend). Off by
+    default: the first frames of each graph compile, and only CPU timings exist so far
+    (docs/performance.md); on MPS it is a prototype (docs/mps.md).
     """
     if weights not in ("auto", "packed", "dequantized"):
         raise ValueError(f"weights must be 'auto', 'packed' or 'dequantized', got {weights!r}")
@@ -277,7 +283,16 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     model.eval().requires_grad_(False)
     model.source = str(path_or_repo_id)
     model.set_tokenizer(load_tokenizer(tokenizer_folder))
-    return model.prepare() if prepare else model
+    return compiled(model.prepare() if prepare else model, compile)
+
+
+def compiled(model: VoiceChatModel, compile: bool | str | Callable[..., Any]) -> VoiceChatModel:
+    """``model`` with its frame step compiled as ``compile`` asks (False: as it is)."""
+    if compile is False:
+        return model
+    if not model.prepared:
+        raise ValueError("compile=True needs prepare=True: the compiled step runs the prepared model")
+    return model.compile_step("inductor" if compile is True else compile)
 
 
 def auto_dequantizes(ckpt: Checkpoint, quantized: dict[str, QuantSpec], device: torch.device,

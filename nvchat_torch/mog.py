@@ -7,6 +7,8 @@ deterministic mode), and its low-rank mean and shared std give the proposal.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -17,7 +19,7 @@ from .gemma import GatedMLP
 from .layers import Linear, OffsetRMSNorm, adopt, promoted
 from .quant import fuse_linears
 
-__all__ = ["MoGLayer", "MoGHead", "FusedMoGHead", "sample_component", "draw", "Generators"]
+__all__ = ["MoGLayer", "MoGHead", "FusedMoGHead", "sample_component", "draw", "Draws", "Generators"]
 
 GUMBEL_EPS = 1e-8
 
@@ -37,6 +39,38 @@ def draw(sampler: Callable[..., torch.Tensor], shape: Sequence[int], generator: 
                       for g in generator])
 
 
+@dataclass
+class Draws:
+    """A TTS step's random numbers, drawn before the step from the rows' generators: ``uniform [draws, B,
+    components]`` (each MoG draw's component choice) and ``normal [draws, B, latent]`` (its noise; None
+    without noise). Each generator gives them in the order the step consumes them (a draw's uniforms,
+    then its normals), so they are the values the step would draw itself, and the step is a function of
+    tensors only: what a compiled step needs (a graph takes no generator)."""
+
+    uniform: torch.Tensor
+    normal: torch.Tensor | None
+
+    @classmethod
+    def take(cls, generator: Generators, batch: int, draws: int, components: int, latent: int, noise: bool,
+             device: torch.device) -> "Draws":
+        """The draws of ``batch`` rows from one generator, or one per row (a None row draws nothing: 0)."""
+        def drawn(g: torch.Generator | None, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            uniform, normal = [], []
+            for _ in range(draws):
+                uniform.append(torch.rand((rows, components), generator=g, device=device))
+                if noise:
+                    normal.append(torch.randn((rows, latent), generator=g, device=device))
+            return torch.stack(uniform), torch.stack(normal) if noise else None
+
+        if generator is None or isinstance(generator, torch.Generator):
+            return cls(*drawn(generator, batch))
+        rows = [drawn(g, 1) if g is not None else (torch.zeros(draws, 1, components, device=device),
+                                                  torch.zeros(draws, 1, latent, device=device) if noise else None)
+                for g in generator]
+        return cls(torch.cat([u for u, _ in rows], dim=1),
+                   torch.cat([n for _, n in rows], dim=1) if noise else None)  # type: ignore[misc]
+
+
 class MoGLayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
         super().__init__()
@@ -48,19 +82,20 @@ class MoGLayer(nn.Module):
         return self.post_norm.add_to(x, self.mlp(x, self.pre_norm))
 
 
-def sample_component(logits: torch.Tensor, top_p: float, generator: Generators) -> torch.Tensor:
+def sample_component(logits: torch.Tensor, top_p: float, generator: Generators | torch.Tensor) -> torch.Tensor:
     """A draw over the last axis of ``logits`` among the components kept by top-p (the reference's
     rule: keep k iff the probability mass strictly above k is < ``top_p``).
 
     Gumbel-max in the form ``argmax(p_k / E_k)`` with ``E_k = -log(u_k)`` exponential (equal to
     ``argmax(log p_k + g_k)``, g Gumbel), done in the descending order of the probabilities, where
-    top-p is a prefix: no scatter back, one gather of the winner's index.
+    top-p is a prefix: no scatter back, one gather of the winner's index. ``generator``: the generator(s)
+    to draw the uniforms from, or the uniforms ``[B, components]`` drawn already (:class:`Draws`).
     """
     probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
     if top_p < 1.0:
         mass_above = probs.cumsum(-1) - probs
         probs = torch.where(mass_above < top_p, probs, 0.0)
-    uniform = draw(torch.rand, probs.shape, generator, probs.device)
+    uniform = generator if isinstance(generator, torch.Tensor) else draw(torch.rand, probs.shape, generator, probs.device)
     exponential = torch.rsub(torch.log(uniform + GUMBEL_EPS), GUMBEL_EPS)  # -log(u) (guarded)
     return order.gather(-1, (probs / exponential).argmax(-1, keepdim=True)).squeeze(-1)
 
@@ -91,10 +126,11 @@ class MoGHead(nn.Module):
         """Component logits, log std and the rest of the mean."""
         return self.proj_logits(x), self.proj_logs(x), self.proj_else(x)
 
-    def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: Generators,
+    def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: Generators | torch.Tensor,
                 deterministic: bool | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [2B, H]`` (each session's conditional, then unconditional row) -> (mean ``[B, out]``, std ``[B, 1]``).
-        ``deterministic``: for all rows, or per row ``[B]`` (bool; those rows' generators are None)."""
+        ``generator``: see :func:`sample_component`. ``deterministic``: for all rows, or per row ``[B]``
+        (bool; those rows draw nothing)."""
         for layer in self.mlp_stack:
             x = layer(x)
         x = x.unflatten(0, (-1, 2))

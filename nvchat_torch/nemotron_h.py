@@ -1,14 +1,11 @@
 """Nemotron-H, the VoiceChat language model: Mamba-2, attention (no RoPE) and relu² MLP blocks.
 
-Checkpoint prefix ``stt_model.llm``; the fused input (``stt_model.embed_tokens``) and both
-vocabulary heads (``stt_model.lm_head``, ``stt_model.function_head``) sit beside it and are
+Checkpoint prefix ``stt_model.llm``; the fused input and both vocabulary heads sit beside it and are
 served by :mod:`nvchat_torch.language_heads`.
 
-Dtype policy: the MLX reference's promotion rules, which decide its rounding. Activations are never
-cast to a "model dtype": every op runs in the promoted dtype of its operands, as in MLX, so
-fp32 inputs with bf16 weights run in fp32 (:class:`~nvchat_torch.layers.Linear` promotes; the
-packed ``QuantizedLinear`` dequantizes to the activation dtype), and bf16 inputs with bf16 weights
-run in bf16.
+Dtype policy: the MLX reference's promotion rules, which decide its rounding. Every op runs in the
+promoted dtype of its operands, as in MLX: fp32 inputs with bf16 weights in fp32 (``Linear`` promotes;
+``QuantizedLinear`` dequantizes to the activation dtype), bf16 inputs with bf16 weights in bf16.
 
 * SSM state: always float32 (``dt`` is computed in float32, so the state update is).
 * Conv state: takes the first input's dtype (MLX makes the initial zeros in it); a wider input
@@ -31,15 +28,14 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TextConfig
-from .layers import (REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, norm_linear, promote, register_float32,
-                     rms_norm, silu, swap_modules)
+from .layers import (KV_BLOCK, REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, norm_linear, promote, register_float32,
+                     grown_capacity, rms_norm, silu, swap_modules)
 from .quant import QuantizedLinear, fuse_linears
 
 __all__ = [
     "RMSNorm",
     "MambaCache",
     "KVCache",
-    "grown_capacity",
     "LanguageCache",
     "NemotronHMamba2Mixer",
     "FusedMamba2Mixer",
@@ -50,7 +46,6 @@ __all__ = [
     "NemotronHModel",
 ]
 
-KV_BLOCK = 256  # the KV cache grows by this many slots (MLX KVCache.step)
 SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
 
 
@@ -71,7 +66,6 @@ class GatedRMSNorm(nn.Module):
 # --------------------------------------------------------------------------------------
 # Caches (owned by the caller, made by NemotronHModel.new_cache)
 
-
 @dataclass
 class MambaCache:
     # [B, K - 1, conv_dim]: the last K - 1 raw (pre-conv) xBC rows, oldest first (MLX's layout): a step's
@@ -79,17 +73,6 @@ class MambaCache:
     conv_state: torch.Tensor
     ssm_state: torch.Tensor  # [B, heads, head_dim, state] float32
     offset: int = 0  # positions consumed so far
-
-
-def grown_capacity(capacity: int, needed: int, limit: int | None = None) -> int:
-    """The next length of a key/value buffer that holds ``capacity`` positions and must hold ``needed``:
-    whole ``KV_BLOCK``s, at least 1.5 times the old length (so the copies of a whole session add up to
-    O(positions): a buffer grows about a dozen times in an hour), and not past ``limit`` unless
-    ``needed`` is."""
-    size = -(-max(needed, capacity * 3 // 2) // KV_BLOCK) * KV_BLOCK
-    if limit is not None:
-        size = min(size, limit)
-    return max(size, needed)
 
 
 @dataclass
@@ -134,9 +117,9 @@ class KVCache:
 
     def update_rows(self, keys: torch.Tensor, values: torch.Tensor,
                     rows: LanguageRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """One position per row ``[B, kv_heads, 1, head_dim]``, each at its own ``rows.positions``; returns
-        the first ``rows.end`` slots. The buffers (float32, or the activations' dtype) grow as :meth:`update`'s."""
-        self.reserve(rows.end)
+        """One position per row ``[B, kv_heads, 1, head_dim]`` at its ``rows.positions``, written in place (the
+        caller reserved the room: :meth:`LanguageCache.reserve`); returns the whole buffers (``rows.blocked``
+        masks each row's slots past its position)."""
         keys, values = keys[:, :, 0].to(self.keys.dtype), values[:, :, 0].to(self.values.dtype)
         if rows.round_keys is not None:  # still bf16 in the reference's cache: rounded as it stores them
             keep = rows.round_keys[:, None, None]
@@ -144,7 +127,7 @@ class KVCache:
             values = torch.where(keep, values.to(torch.bfloat16).to(values.dtype), values)
         self.keys[rows.batch, :, rows.positions] = keys
         self.values[rows.batch, :, rows.positions] = values
-        return self.keys[:, :, :rows.end], self.values[:, :, :rows.end]
+        return self.keys, self.values
 
     @staticmethod
     def _grown(buf: torch.Tensor, size: int, held: int) -> torch.Tensor:
@@ -164,32 +147,49 @@ class LanguageRows:
     """Where each row of a batched step stands (:meth:`NemotronHModel.forward_step`), made once per step
     by :meth:`make` and shared by the layers.
 
-    ``positions [B]``: each row's position (long, on the device); ``end``: the largest plus one, how
-    many key/value slots the step attends (rows block theirs past their own position: ``blocked [B, 1,
-    1, end]``, None when every row that matters is at ``end - 1``: ``make(..., uniform=True)``). ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as the
-    reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
+    ``positions [B]`` (long, on the device), ``batch [B]`` (row numbers), ``blocked [B, 1, 1, capacity]``:
+    the slots past each row's position, which it does not attend (all attention layers have one
+    capacity: :meth:`LanguageCache.reserve`), so the step's shapes are the buffers', changing only when a
+    block is added. ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as
+    the reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
 
     positions: torch.Tensor
-    end: int
     batch: torch.Tensor
-    blocked: torch.Tensor | None
+    blocked: torch.Tensor
     round_keys: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, end: int, round_keys: torch.Tensor | None = None,
-             uniform: bool = False, batch: torch.Tensor | None = None) -> "LanguageRows":
-        """``uniform``: the caller knows every row is at ``end - 1`` (a lone session), so nothing is blocked;
-        ``batch``: the row numbers, if the caller has them on the device already."""
-        blocked = None if uniform else (torch.arange(end, device=positions.device) > positions[:, None])[:, None, None]
+    def make(cls, positions: torch.Tensor, capacity: int, round_keys: torch.Tensor | None = None,
+             batch: torch.Tensor | None = None) -> "LanguageRows":
+        """``capacity``: the slots the key/value buffers hold; ``batch``: the row numbers, if the caller
+        has them on the device already."""
+        blocked = (torch.arange(capacity, device=positions.device) > positions[:, None])[:, None, None]
         if batch is None:
             batch = torch.arange(positions.shape[0], device=positions.device)
-        return cls(positions, end, batch, blocked, round_keys)
+        return cls(positions, batch, blocked, round_keys)
 
 
 @dataclass
 class LanguageCache:
     layers: list[MambaCache | KVCache | None]  # one per layer, None for MLP layers
     offset: int = 0  # positions consumed so far
+
+    @property
+    def capacity(self) -> int:
+        """Key/value slots every attention layer holds (0 with no attention layer)."""
+        return next((c.keys.shape[2] for c in self.layers if isinstance(c, KVCache)), 0)
+
+    def reserve(self, end: int) -> bool:
+        """Room for positions ``[0, end)`` in every attention layer, grown in whole blocks (outside any
+        step); returns whether a buffer grew (a compiled step then sees a new capacity)."""
+        short = [c for c in self.layers if isinstance(c, KVCache) and end > c.keys.shape[2]]
+        for c in short:
+            c.reserve(end)
+        return bool(short)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every key/value buffer (for marking their capacity dynamic)."""
+        return [t for c in self.layers if isinstance(c, KVCache) for t in (c.keys, c.values)]
 
     @property
     def nbytes(self) -> int:
@@ -294,20 +294,22 @@ class NemotronHMamba2Mixer(nn.Module):
                                          device=device, dtype=old.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+    def _conv(self, xBC: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
         """Causal depthwise conv over time (zeros, or the cached rows, before the input), then SiLU. The
         cache keeps the last K - 1 inputs, whatever row is at what position (a step's window is the same
-        cat for one row or many)."""
+        cat for one row or many). ``advance``: a prefill, which moves ``cache.offset`` (a streaming step's
+        positions are the caller's: it reads no host-side offset)."""
         K = self.kernel
         if cache is None:
             window = F.pad(xBC, (0, 0, K - 1, 0))
         else:
             state = cache.conv_state
-            if cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
+            if advance and cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
                 state = state.to(xBC.dtype)
             window = torch.cat((state, xBC), 1)  # MLX's concat: a wider input promotes the state for good
             cache.conv_state = window[:, -(K - 1):]
-            cache.offset += xBC.shape[1]
+            if advance:
+                cache.offset += xBC.shape[1]
         # MLX's conv layer in the promoted dtype (layers.Conv1d): bf16 rounds the conv, then adds the bias
         out = self.conv1d(window.transpose(1, 2)).transpose(1, 2)
         return silu(out)
@@ -348,15 +350,16 @@ class NemotronHMamba2Mixer(nn.Module):
         """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
         ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`); ``norm``:
         the block's pre-norm, applied to x here (fused with ``in_proj`` on a CPU, as in every mixer)."""
-        y = self.mix(norm_linear(norm, x, self.in_proj), cache)
+        y = self.mix(norm_linear(norm, x, self.in_proj), cache, rows is None)
         return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
 
-    def mix(self, projected: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
-        """Between the projections: ``in_proj``'s output ``[b, L, .]`` -> ``out_proj``'s input ``[b, L, d_inner]``."""
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
+        """Between the projections: ``in_proj``'s output ``[b, L, .]`` -> ``out_proj``'s input ``[b, L, d_inner]``;
+        ``advance``: move ``cache.offset`` (a prefill; a streaming step leaves it to the caller)."""
         b, L, _ = projected.shape
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
         z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
-        xBC = self._conv(xBC, cache)
+        xBC = self._conv(xBC, cache, advance)
         gn = self.n_groups * self.state_size
         xs, B, C = xBC.split((self.d_inner, gn, gn), dim=-1)
         xs = xs.reshape(b, L, self.num_heads, self.head_dim)
@@ -398,11 +401,11 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
             register_float32(self, name, t)
         self.cpu_kernels = True
 
-    def mix(self, projected: torch.Tensor, cache: MambaCache | None) -> torch.Tensor:
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
         b, L, width = projected.shape
         if not (self.cpu_kernels and cache is not None and L == 1 and cpu_kernels.usable(projected, cache.ssm_state)
                 and cache.conv_state.dtype == torch.float32):
-            return super().mix(projected, cache)
+            return super().mix(projected, cache, advance)
         if not cache.conv_state.is_contiguous():  # a batched prefill's state is a view of its window
             cache.conv_state = cache.conv_state.contiguous()
         pad = width - (self.d_inner + self.conv_dim + self.num_heads)
@@ -410,7 +413,8 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
                                             self.conv1d.bias_f32, self.dt_bias_f32, self.A, self.D_f32, self.norm_weight_f32,
                                             cache.ssm_state, pad, self.n_groups, self.norm.groups, self.norm.eps,
                                             self.dt_min, self.dt_max)
-        cache.offset += 1
+        if advance:
+            cache.offset += 1
         return y.view(b, 1, self.d_inner)
 
 

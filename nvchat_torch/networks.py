@@ -4,6 +4,7 @@ adds the ways to run it and the loader."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from typing_extensions import Self
 
 from . import cpu_kernels
 from .checkpoint import cast
+from .compiled_step import StepCompiler
 from .config import VoiceChatConfig
 from .perception import Perception
 from .diagnostics import model_bytes, return_freed_memory
@@ -62,6 +64,7 @@ class VoiceChatNetworks(nn.Module):
         self.source = "random weights"
         self.prepared = False
         self.fused_cpu: str | None = "not prepared"  # None: the fused CPU kernels run (prepare)
+        self.step_compiler: StepCompiler | None = None  # compile_step(): the frame step runs compiled
 
     # ---- parts the sessions drive (not registered: their weights live in stt_model)
     @property
@@ -123,6 +126,24 @@ class VoiceChatNetworks(nn.Module):
         return_freed_memory()
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
+
+    def compile_step(self, backend: str | Callable[..., Any] = "inductor", mode: str | None = None) -> Self:
+        """Run every frame step of this model's sessions and engines (those made from now on) under
+        ``torch.compile`` whole, one graph per frame (:mod:`~nvchat_torch.compiled_step`). ``backend``:
+        "inductor" (generated kernels: C++ on a CPU, Triton on CUDA, Metal on MPS), or "aot_eager" /
+        "eager" (traced only: what the graph-count tests use). ``mode``: default ``"reduce-overhead"``
+        (CUDA graphs) on CUDA. The fused CPU kernels are switched off: the compiler fuses the composite
+        code, the path MPS and CUDA run. The first frames of each new graph compile (see
+        docs/performance.md for how long); the compiler's caches let a second process start warm."""
+        if not self.prepared:
+            raise RuntimeError("compile_step: prepare() the model first (load_model does)")
+        compiler = StepCompiler(self.device, backend, mode)
+        for module in self.modules():
+            if isinstance(module, FusedOnCpu) or hasattr(module, "cpu_kernels"):
+                setattr(module, "cpu_kernels", False)
+        self.fused_cpu = "not used under compile_step (the compiled step fuses the composite code)"
+        self.step_compiler = compiler
+        return self
 
     # ---- casts. A prepared model computes in the dtypes load_model chose, so it refuses a cast that
     # would round its float32 islands. An unprepared one casts as the reference casts a model (A_log
@@ -207,6 +228,8 @@ class VoiceChatNetworks(nn.Module):
         fused = sum(1 for m in self.modules() if getattr(m, "cpu_kernels", False))
         lines.append(f"  fused CPU kernels: {fused} modules" if self.fused_cpu is None else
                      f"  fused CPU kernels: not used ({self.fused_cpu})")
+        lines.append(f"  {self.step_compiler.describe()}" if self.step_compiler is not None else
+                     "  frame step: eager (load_model(..., compile=True) compiles it)")
         # ops the MPS backend ran on the CPU, as diagnostics.CpuFallbackRecorder saw them
         lines += [f"  fallback: {op} ran on the CPU ({cost})"
                   for op, cost in sorted(getattr(self, "cpu_fallbacks", {}).items())]

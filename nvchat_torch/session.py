@@ -29,6 +29,7 @@ from .events import (
     VoiceChatProfile,
     VoiceChatResult,
 )
+from .frame_layout import PackedLayout
 from .frame_step import FrameInput, FrameStep
 from .rnnt import TranscriptText
 from .timeline import Timeline
@@ -61,6 +62,9 @@ class StreamingSession:
         self.options = options
         cfg = self.config = model.config
         self.frame_samples = cfg.input_frame_samples
+        # How a frame step's packed row reads back (the step packs by the same layout).
+        self.frame_layout = PackedLayout(cfg.audio_config.max_symbols, cfg.tts_config.num_quantizers,
+                                         cfg.output_frame_samples)
         self.frame_index = 0
         self.closed = False
         self._failure: BaseException | None = None  # what closed the session mid-frame
@@ -74,7 +78,7 @@ class StreamingSession:
             self._timeline = Timeline(model, options.seed, options.deterministic, options.use_language_cache)
             self._rnnt_state = model.transcriber.new_state()
             # The one row this session's frames run in (joined once the prompt is prefilled).
-            self._frames = FrameStep(model, perception_cache=options.use_perception_cache,
+            self._frame_step = FrameStep(model, perception_cache=options.use_perception_cache,
                                      language_cache=options.use_language_cache) if own_frames else None
             self._slot: int | None = None
             prompt = self._timeline.prompt_ids(_prompt_text(options.system_prompt, options.tools))
@@ -122,8 +126,14 @@ class StreamingSession:
 
     def _join(self) -> None:
         """The prefilled timeline's caches move into this session's row (if it runs its own frames)."""
-        if self._frames is not None:
-            self._slot = self._frames.join(self._timeline, self._rnnt_state, self.options.turn_taking)
+        if self._frame_step is not None:
+            self._slot = self.join_into(self._frame_step)
+
+    def join_into(self, step: FrameStep) -> int:
+        """Move the prefilled timeline's caches into a row of ``step`` (this session's own, or an engine's);
+        returns the row's slot. From then on the row's positions are the step's (its ``rows``), and this
+        session counts its frames (:attr:`frame_index`) for its events."""
+        return step.join(self._timeline, self._rnnt_state, self.options.turn_taking)
 
     def _finish_prefill(self) -> None:
         while not self.prefill_step():
@@ -144,7 +154,8 @@ class StreamingSession:
 
     @property
     def timeline_index(self) -> int:
-        return self._timeline.index
+        """Timeline positions so far: the prompt's (prefilled) and one per frame."""
+        return self._timeline.index + self.frame_index
 
     @property
     def max_seconds(self) -> float:
@@ -154,7 +165,7 @@ class StreamingSession:
     def cache_bytes(self) -> dict[str, int]:
         """Bytes the two caches that grow with the session hold (LLM, TTS)."""
         if self._slot is not None:
-            return self._frames.cache_bytes()
+            return self._frame_step.cache_bytes()
         timeline = self._timeline
         language = timeline.language_cache.nbytes if timeline.language_cache is not None else 0
         return {"language": language, "tts": timeline.tts_cache.nbytes if timeline.tts_cache is not None else 0}
@@ -247,7 +258,7 @@ class StreamingSession:
     def _close(self) -> None:
         self._pending = np.zeros(0, dtype=np.float32)
         if self._slot is not None:  # the row's caches are released
-            self._frames.leave(self._slot)
+            self._frame_step.leave(self._slot)
             self._slot = None
         self.closed = True
 
@@ -279,7 +290,7 @@ class StreamingSession:
             raise
 
     def _audio_frame(self, frame: np.ndarray) -> list[VoiceChatEvent]:
-        packed, stamps = self._frames.run({self._slot: self.frame_input(frame)}, self.options.profile)
+        packed, stamps = self._frame_step.run({self._slot: self.frame_input(frame)}, self.options.profile)
         return self.frame_done(packed[self._slot], stamps)
 
     # ---- what a frame step takes from this session and gives back (its own, or an engine's)
@@ -303,7 +314,7 @@ class StreamingSession:
         self.options = replace(self.options, turn_taking=config)  # checked; options may be shared
         config = self.options.turn_taking
         if self._slot is not None:
-            self._frames.set_turn_taking(self._slot, config)
+            self._frame_step.set_turn_taking(self._slot, config)
 
     def frame_done(self, packed: np.ndarray, stamps: list[float]) -> list[VoiceChatEvent]:
         """The events of this session's row of a step that ran (``packed``: its values, read from the
@@ -312,26 +323,21 @@ class StreamingSession:
             self.profile.frames.append(FrameTiming.from_stamps(self.frame_index, stamps))
         events = self._frame_events(packed)
         self.frame_index += 1
-        self._timeline.index += 1
         return events
 
     def _frame_events(self, packed: np.ndarray) -> list[VoiceChatEvent]:
-        n_rnnt = self.config.audio_config.max_symbols
-        q = self.config.tts_config.num_quantizers
-        transcript_ids = packed[:n_rnnt].astype(np.int64)
-        text_id, function_id = int(packed[n_rnnt]), int(packed[n_rnnt + 1])
+        out = self.frame_layout.unpack(packed)
+        transcript_ids, text_id, function_id, codes, samples = (out.transcript_ids, out.text_id, out.function_id,
+                                                                 out.codes, out.samples)
         self.last_ids = (text_id, function_id)  # PAD and EOS included: servers read turn ends from them
-        codes = packed[n_rnnt + 2:n_rnnt + 2 + q].astype(np.int32)
-        end = n_rnnt + 2 + q + self.config.output_frame_samples
-        samples = packed[n_rnnt + 2 + q:end].astype(np.float32)
         i = self.frame_index
         events = []
         update = self._transcript.update(transcript_ids.tolist())
         if update is not None:
             events.append(VoiceChatEvent("user_transcript_delta", i, delta=update[0], text=update[1]))
-        if packed.shape[0] > end:  # a step with turn-taking: the row's reason code (0 without a policy)
+        if out.reason is not None:  # a step with turn-taking: the row's reason code (0 without a policy)
             events += [VoiceChatEvent("turn", i, token_id=text_id, reason=reason)
-                       for reason in reasons_of(int(packed[end]))]
+                       for reason in reasons_of(out.reason)]
         for kind, acc, token in (("assistant_text_delta", self._text, text_id),
                                  ("function_delta", self._function, function_id)):
             update = acc.append(token)

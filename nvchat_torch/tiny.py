@@ -409,13 +409,14 @@ def random_packed_model(config, bits: int = 4, group_size: int = 64, seed: int =
 
 
 def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    preset: str = "tiny", seed: int = 0, prepare: bool = True) -> "VoiceChatModel":
+                    preset: str = "tiny", seed: int = 0, prepare: bool = True,
+                    compile: bool | str = False) -> "VoiceChatModel":
     """The embedded default: a tiny VoiceChat with random weights, built deterministically in code.
 
     Its outputs are noise, but every stage of the real pipeline runs, so it shows the API, the
-    command line and the frame loop without a download.
+    command line and the frame loop without a download. ``compile``: as :func:`~nvchat_torch.load_model`'s.
     """
-    from .model import check_dtype, default_device, default_dtype
+    from .model import check_dtype, compiled, default_device, default_dtype
 
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
@@ -423,7 +424,7 @@ def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype
     model = random_model(preset, seed).to(device=device, dtype=dtype)  # made on the CPU: same weights anywhere
     model.set_activation_dtype(dtype or torch.float32)
     model.init_constants(device)
-    return model.prepare() if prepare else model
+    return compiled(model.prepare() if prepare else model, compile)
 
 
 def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_size: int = 64,

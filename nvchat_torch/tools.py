@@ -164,8 +164,6 @@ class ToolChannel:
         self._text: deque[int | None] = deque()
         self._function: deque[int | None] = deque()
         self._injected: deque[bool] = deque()  # per queued function id: part of a tool result (not parsed)
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._row = 0
         self._injected_now = False
 
     # ---- forcing
@@ -191,7 +189,6 @@ class ToolChannel:
         else:
             self._function.extend(ids)
             self._injected.extend([False] * len(ids))
-        self._table = None
 
     def _inject(self, ids: list[int]) -> None:
         """Queue a tool result on the function channel with the text channel at PAD for those frames."""
@@ -205,33 +202,19 @@ class ToolChannel:
                 self._text[start + j] = self.pad_id
             else:
                 self._text.append(self.pad_id)
-        self._table = None
 
-    def apply(self, ids: torch.Tensor) -> torch.Tensor:
-        """This frame's ``[2]`` (text, function) ids with the queued ones substituted (on the device)."""
-        if self._table is None:
-            rows = max(len(self._text), len(self._function))
-            values = [[0, 0] for _ in range(rows)]
-            mask = [[False, False] for _ in range(rows)]
-            for column, queue in enumerate((self._text, self._function)):
-                for r, token in enumerate(queue):
-                    if token is not None:
-                        values[r][column], mask[r][column] = token, True
-            self._table = (torch.tensor(values, dtype=ids.dtype).to(ids.device),
-                           torch.tensor(mask).to(ids.device))
-            self._row = 0
-        table_values, table_mask = self._table
-        out = torch.where(table_mask[self._row], table_values[self._row], ids)
-        self._row += 1
-        if self._text:
-            self._text.popleft()
+    def take_forced(self) -> tuple[int, int, int, int]:
+        """This frame's forced ids, taken off the queues as host ints, which ride in the frame step's one
+        upload: ``(text id, function id, text forced, function forced)``; a channel not forced keeps the
+        model's id (its value is then 0 and unused)."""
+        text = self._text.popleft() if self._text else None
+        function = None
         self._injected_now = False
         if self._function:
-            self._function.popleft()
+            function = self._function.popleft()
             self._injected_now = self._injected.popleft()
-        if not self.forcing:
-            self._table = None
-        return out
+        return (0 if text is None else text, 0 if function is None else function,
+                int(text is not None), int(function is not None))
 
     # ---- parsing
     def feed(self, token_id: int, frame_index: int) -> list[VoiceChatEvent]:

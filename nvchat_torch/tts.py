@@ -28,7 +28,7 @@ from .codec import Codec
 from .config import CodecConfig, TTSConfig
 from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache, TTSRows
 from .layers import FusedOnCpu, Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
-from .mog import FusedMoGHead, Generators, MoGHead, draw, sample_component
+from .mog import Draws, FusedMoGHead, Generators, MoGHead, sample_component
 from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
                       GatedFusion)
 
@@ -183,11 +183,12 @@ class EarTTS(nn.Module):
         """The codebooks in float32 ``[Q, K, latent]`` and their squared norms ``[Q, K]`` (see :func:`_squared_norms`)."""
         return self.rvq_embs.float(), squared_norms(self.rvq_embs)
 
-    def generate_codes(self, hidden: torch.Tensor, generator: Generators = None,
+    def generate_codes(self, hidden: torch.Tensor, generator: Generators | Draws = None,
                        deterministic: bool | torch.Tensor = False, batched: bool = False) -> torch.Tensor:
         """Hidden ``[2B, 1, H]`` -> codes ``[B, 1, Q]`` (long) by the iterative MoG schedule (``B`` sessions,
-        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`). ``batched``: the
-        same ops whatever ``B`` (the engine's steps; one session's step has a cheaper path for ``B`` = 1).
+        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`; or the step's
+        random numbers drawn already, :meth:`draws`). ``batched``: the same ops whatever ``B`` (the
+        engine's steps; one session's step has a cheaper path for ``B`` = 1).
 
         Each draw sees the embedding of the codes decided so far; its proposal (plus Gaussian noise
         ``* noise_scale``) is assigned greedily to the draw's quantizers, starting afresh at the
@@ -198,6 +199,8 @@ class EarTTS(nn.Module):
         b = hidden.shape[0] // 2
         _check_shape("hidden", hidden, (2 * b, 1, config.hidden_size))
         hidden = hidden.view(2 * b, -1)
+        sampling = deterministic is not True
+        draws = generator if isinstance(generator, Draws) or not sampling else self.draws(generator, b, hidden.device)
         decided: torch.Tensor | None = None  # float32 [B, latent]: sum of the chosen codebook rows
         picked: list[torch.Tensor] = []
         for step, (start, count) in enumerate(self.schedule):
@@ -205,14 +208,20 @@ class EarTTS(nn.Module):
             if decided is not None:  # hidden + embed_code(decided), both rows, as one addmm
                 rows = decided.repeat_interleave(2, dim=0) if batched else decided.expand(2, -1)
                 x = torch.addmm(hidden, rows.to(hidden.dtype), self.embed_code.weight.to(hidden.dtype).t())
-            mean, std = self.mog_head(x, config.guidance_scale, config.top_p, generator, deterministic)
+            uniform = draws.uniform[step] if sampling else None
+            mean, std = self.mog_head(x, config.guidance_scale, config.top_p, uniform, deterministic)
             residual = mean.float()
-            if deterministic is not True and config.noise_scale > 0:  # deterministic rows draw 0 (no generator)
-                noise = draw(torch.randn, residual.shape, generator, residual.device)
-                residual = torch.addcmul(residual, std.float(), noise, value=config.noise_scale)
+            if sampling and draws.normal is not None:  # deterministic rows drew 0
+                residual = torch.addcmul(residual, std.float(), draws.normal[step], value=config.noise_scale)
             index, decided = self.assign(residual, start, count, decided, step < len(self.schedule) - 1)
             picked += index
         return torch.cat(picked, dim=-1).view(b, 1, config.num_quantizers)
+
+    def draws(self, generator: Generators, batch: int, device: torch.device) -> Draws:
+        """A step's random numbers for ``batch`` sessions, from their generator(s) (see :class:`Draws`)."""
+        config = self.config
+        return Draws.take(generator, batch, len(self.schedule), self.mog_head.num_predictions,
+                          self.mog_head.out_size, config.noise_scale > 0, device)
 
     def assign(self, residual: torch.Tensor, start: int, count: int, decided: torch.Tensor | None,
                accumulate: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -233,7 +242,7 @@ class EarTTS(nn.Module):
         return picked, decided
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
-             generator: Generators = None, deterministic: bool | torch.Tensor = False,
+             generator: Generators | Draws = None, deterministic: bool | torch.Tensor = False,
              rows: TTSRows | None = None) -> torch.Tensor:
         """One frame: previous codes ``[B, 1, Q]``, text ids ``[B]`` -> codes ``[B, 1, Q]`` (``B`` = 1 unless
         ``rows``)."""
@@ -365,7 +374,7 @@ class SpeechDecoder(nn.Module):
         return self.codec_silence_tokens.to(dtype)
 
     def step(self, prev_codes: torch.Tensor, text_id: torch.Tensor, cache: TTSCache,
-             generator: Generators = None, deterministic: bool | torch.Tensor = False,
+             generator: Generators | Draws = None, deterministic: bool | torch.Tensor = False,
              rows: TTSRows | None = None) -> torch.Tensor:
         """One frame of codes ``[B, 1, Q]`` (long) from the previous codes and this step's text ids ``[B]``
         (``B`` = 1 unless ``rows``: the batched engine's sessions, each at its own position)."""

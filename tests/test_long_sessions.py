@@ -184,10 +184,10 @@ def test_chunked_prefill_equals_the_stepwise_prefill(tiny, monkeypatch):
     stepwise = tiny.create_streaming_session(options)
     assert session.timeline_index == stepwise.timeline_index > 256  # past a KV block and an SSD chunk
     torch.testing.assert_close(session._timeline.last_hidden, stepwise._timeline.last_hidden, atol=1e-4, rtol=1e-4)
-    for a, b in zip(session._frames._language.layers, stepwise._frames._language.layers):
+    for a, b in zip(session._frame_step._language.layers, stepwise._frame_step._language.layers):
         if a is not None and hasattr(a, "ssm_state"):
             torch.testing.assert_close(a.ssm_state, b.ssm_state, atol=1e-4, rtol=1e-4)
-    assert session._frames.rows[0] == stepwise._frames.rows[0]  # the same LLM and TTS positions
+    assert session._frame_step.rows[0] == stepwise._frame_step.rows[0]  # the same LLM and TTS positions
     wave = synth_audio(1.2, seed=5)
     ours, steps = session.push_audio(wave, 16000), stepwise.push_audio(wave, 16000)
     assert [(e.kind, e.frame_index, e.token_id, e.text) for e in ours] == \
@@ -216,7 +216,7 @@ def test_long_prompt_session_matches_the_reference(ckpt_f32, reference):
 def test_a_failed_frame_closes_the_session_naming_the_failure(tiny):
     wave = synth_audio(0.8)
     session = tiny.create_streaming_session(nv.StreamingOptions(deterministic=True))
-    language_step = session._frames._language_step
+    language_step = session._frame_step._language_step
     calls = []
 
     def failing(*args):  # mid-frame: perception and the RNNT have advanced
@@ -225,7 +225,7 @@ def test_a_failed_frame_closes_the_session_naming_the_failure(tiny):
             raise RuntimeError("the device went away")
         return language_step(*args)
 
-    session._frames._language_step = failing
+    session._frame_step._language_step = failing
     with pytest.raises(RuntimeError, match="the device went away"):
         session.push_audio(wave, 16000)
     assert session.closed

@@ -303,7 +303,7 @@ class _FailingModel(_HookedModel):
         if handle.options.seed == 13:
             def boom(*args, **kwargs):
                 raise RuntimeError("injected failure")
-            handle.session._frame_events = boom
+            handle._host._frame_events = boom
 
 
 def test_sessions_run_concurrently_fail_alone_and_the_limit_holds(model, question):

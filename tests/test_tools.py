@@ -290,7 +290,7 @@ def test_forced_call_then_result_injection(model, wave):
     prev_function = []
     for _ in response:
         drive.frames(1)
-        frames = drive.session._frames  # the next frame's function input, on the device
+        frames = drive.session._frame_step  # the next frame's function input, on the device
         prev_function.append(int(frames._ids[drive.session._slot, 1]))
     after = drive.frames(3)
     # exactly the tokenised <TOOL_RESPONSE> text, one token per frame, fed back as the next input

@@ -1,0 +1,105 @@
+"""The frame step compiled whole (``load_model(..., compile=...)``, docs/performance.md): one graph and no
+graph break, no recompile as a long session's caches grow, a bounded set of graphs for an engine's
+rows, one host read a frame, and the reference's outputs through the compiled step.
+
+The graph counts are the compiler front end's (dynamo: its guards decide what compiles again), so they
+are taken with a backend that only counts the graphs it is handed; the outputs are checked through
+inductor, the backend that generates kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nvchat_torch as nv
+from mlx_oracle import synth_audio
+from nvchat_torch.compiled_step import batch_bucket
+from nvchat_torch.diagnostics import count_host_reads
+from test_engine import Plan, assert_same_events, run_alone, run_engine
+from test_layouts import LAYOUTS
+from test_session import PROMPT, run_reference_stream, run_stream
+
+FRAME = 1280
+
+
+class CountingBackend:
+    """A torch.compile backend that runs each graph as traced and records the batch of every graph it
+    is handed (the samples' first dimension: the step's one ``[batch, 1280]`` float input)."""
+
+    __name__ = "counting"
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        frames = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == FRAME
+                  and t.is_floating_point()]
+        self.batches.append(int(frames[0].shape[0]) if frames else -1)
+        return gm.forward
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_step_is_one_graph_with_no_break_and_compiles_once_over_a_long_session():
+    from torch._dynamo.utils import counters
+
+    backend = CountingBackend()
+    model = nv.load_tiny_model(compile=backend)
+    assert "compiled whole (torch.compile, counting" in model.describe()
+    session = model.create_streaming_session(system_prompt="hi", deterministic=True)
+    step = session._frame_step
+    wave = (np.random.default_rng(0).standard_normal(2000 * FRAME) * 0.1).astype(np.float32)
+    session.push_audio(wave[:FRAME], 16000)  # the warm-up frame compiles the step
+    assert backend.batches == [1] and not counters["graph_break"]
+    capacities = {(step._language.capacity, step._tts.capacities()[0])}
+    reads = []
+    for k in range(1, 2000):
+        if k % 400 == 0:
+            with count_host_reads() as read:
+                session.push_audio(wave[k * FRAME:(k + 1) * FRAME], 16000)
+            reads.append(sum(read.values()))
+        else:
+            session.push_audio(wave[k * FRAME:(k + 1) * FRAME], 16000)
+        capacities.add((step._language.capacity, step._tts.capacities()[0]))
+    # Both caches grew at least twice (new buffers, new capacities), and nothing compiled again.
+    assert len({c[0] for c in capacities}) >= 3 and len({c[1] for c in capacities}) >= 3, capacities
+    assert backend.batches == [1] and not counters["graph_break"]
+    assert reads == [1] * 4 and session.frame_index == 2000
+
+
+def test_engine_rows_joining_and_leaving_stay_within_the_power_of_two_graphs(ckpt_f32):
+    """Rows 1..8 join one at a time, then leave from the middle and the end: the batches the step runs
+    at are the powers of two {1, 2, 4, 8}, each compiled once; every row equals its session alone."""
+    backend = CountingBackend()
+    model = nv.load_model(ckpt_f32, device="cpu", compile=backend)
+    eager = nv.load_model(ckpt_f32, device="cpu")
+    waves = [synth_audio(0.5 + 0.04 * k, seed=k) for k in range(8)]
+    plans = [Plan(PROMPT if k % 2 else "hi", k, waves[k], (FRAME,), start=k) for k in range(8)]
+    engine_events = run_engine(model, plans)
+    assert sorted(set(backend.batches)) == [1, 2, 4, 8] and len(backend.batches) == 4
+    for plan, events in zip(plans, engine_events):
+        assert_same_events(events, run_alone(eager, plan))
+    assert [batch_bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+
+
+@pytest.mark.parametrize("layout", ["float32", "q4-f32-scales"])
+def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, reference, layout):
+    """Through inductor: the text, function and transcript ids and all 31 codes per frame equal the MLX
+    reference's, on float32 and on the real cards' layout (4-bit, float32 scales, bf16 elsewhere), and
+    the audio is within the streaming test's tolerance."""
+    path = make_checkpoint(seed=0, **LAYOUTS.get(layout, {}))
+    wave = synth_audio(1.2)
+    model = nv.load_model(path, device="cpu", compile=True)
+    assert "compiled whole (torch.compile, inductor" in model.describe()
+    ours = run_stream(model, wave, PROMPT)
+    ref = run_reference_stream(reference(path), wave, PROMPT)
+    np.testing.assert_array_equal(ours["codes"], ref["codes"])
+    assert ours["text"] == ref["text"] and ours["function"] == ref["function"]
+    assert ours["transcript"] == ref["transcript"]
+    np.testing.assert_allclose(ours["audio"], ref["audio"], atol=1e-3, rtol=0)
