@@ -30,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from ..audio_io import StreamResampler
 from ..events import StreamingOptions
 from .items import ItemEvents
+from .requests import RequestEvents
 from .responses import ResponseEvents, new_id
 from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
@@ -209,7 +210,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     return app
 
 
-class Connection(ItemEvents, ResponseEvents):
+class Connection(ItemEvents, RequestEvents, ResponseEvents):
     """One WebSocket: reads client events, queues model work, turns the worker's outputs into events
     (:class:`~nvchat_torch.server.responses.ResponseEvents`)."""
 
@@ -393,7 +394,8 @@ class Connection(ItemEvents, ResponseEvents):
             await self.send({"type": "output_audio_buffer.cleared",
                              "response_id": None if self.response is None else self.response["id"]})
         elif etype == "response.create":
-            pass  # the model decides itself when to speak: a response opens with its next utterance
+            if self.dialect != "mlx":  # mlx-vlm's dialect has no responses to ask for
+                await self._response_create(event)
         elif etype == "conversation.item.create":
             await self._item_create(event)
         elif etype == "conversation.item.truncate":
@@ -472,6 +474,8 @@ class Connection(ItemEvents, ResponseEvents):
         self.out_resampler = StreamResampler(self.output_model_rate, self.config.output_rate)
         self.announce_open = announce
         self.handle = self.scheduler.open(options, self._deliver, tag=self.client_event_id)
+        if self.response is not None and self.response["waiting"]:  # asked for before the start: the
+            self._force_turn()  # agent speaks from the first frame
 
     # ---- audio in
     def _append(self, event: dict) -> None:

@@ -96,6 +96,7 @@ class Const(Schema):
 @dataclass
 class ListOf(Schema):
     item: Schema
+    nullable: bool = False
 
     def validate(self, value, path):
         if not isinstance(value, list):

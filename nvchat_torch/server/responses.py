@@ -53,14 +53,18 @@ class ResponseEvents:
     model_rate: int
     output_model_rate: int
 
-    async def _ga_output(self, out: Output) -> bool:
-        if out.kind == "opened":
-            return False
-        if out.kind == "rejected":  # naming the event that asked, not the last one read
+    async def _client_refusal(self, out: Output) -> bool:
+        """Both dialects: a queued call the session refused (an unknown tool ``call_id``: the client's
+        error, naming the event that asked, not the last one read), or options the engine would not
+        open a session with. True when ``out`` was one of them."""
+        if out.kind == "rejected":
             await self.send_error("invalid_tool_result", str(out.error), param="item.call_id", event_id=out.tag)
-            return False
-        if out.kind == "refused":
+        elif out.kind == "refused":
             await self._refused(out)
+        return out.kind in ("rejected", "refused")
+
+    async def _ga_output(self, out: Output) -> bool:
+        if out.kind == "opened" or await self._client_refusal(out):
             return False
         if out.kind == "error":
             log.error("session %s failed", self.session_id, exc_info=out.error)
@@ -83,7 +87,8 @@ class ResponseEvents:
                 if self.response is None:
                     await self._open_response()
                 await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
-                await self._close_response("completed")
+                if not self.response["waiting"]:  # one a response.create asked for goes on to its BOS
+                    await self._close_response("completed")
             return False
         for event in out.events:  # the policy's turn events first: a barge-in ends the response
             if event.kind == "turn":
@@ -97,13 +102,19 @@ class ResponseEvents:
         if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
             self.turn_muted = False  # a turn begins or ends: a cancelled one is over
             self.agent_turn = out.ids[0] == self.bos_id
-        if out.ids is not None and out.ids[0] == self.bos_id and self.response is None:
-            await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
+        if out.ids is not None and out.ids[0] == self.bos_id:
+            if self.response is None:
+                await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
+            self.response["waiting"] = False  # a response.create's response starts here
         for event in out.events:  # "events" and "limit"
             await self._ga_event(event)
+        if self.response is not None and self.response["calls"]:
+            # A response that carries function calls ends once they are complete: the client sends
+            # their results after its response.done, and the answer opens a response of its own.
+            await self._close_response("completed")
         if out.ids is not None:
             await self._stats(out)
-            if out.ids[0] == self.eos_id and self.response is not None and (
+            if out.ids[0] == self.eos_id and self.response is not None and not self.response["waiting"] and (
                     self.response["spoke"] or not self.config.listening_audio):
                 await self._close_response("completed")
         if out.kind == "limit":
@@ -183,7 +194,7 @@ class ResponseEvents:
             await self.send({"type": "nvchat.notice", "code": "tool_call_parse_error", "message":
                              f"the model's tool call could not be used: {event.reason} (raw: {event.text!r})"})
             return
-        if kind == "assistant_text_delta" and (self.turn_muted or (
+        if kind == "assistant_text_delta" and (self.turn_muted or (self.response and self.response["waiting"]) or (
                 self.response is None and not self.agent_turn and self.config.turn_taking is not None
                 and not self.config.listening_audio)):
             # The rest of a turn the client cancelled; or, with the policy, text outside the agent's
@@ -203,7 +214,7 @@ class ResponseEvents:
             await self._tool_call(event)
 
     async def _send_audio(self, samples: np.ndarray) -> None:
-        if len(samples) and self.response is not None:
+        if len(samples) and self.response is not None and not self.response["waiting"]:
             r = self.response
             await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
                              "output_index": 0, "content_index": 0,
@@ -221,15 +232,17 @@ class ResponseEvents:
 
     def _response_object(self, r: dict, status: str, output: list, reason: str = "client_cancelled") -> dict:
         body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
-                "conversation_id": self.session_id, "output_modalities": ["audio"],
+                "conversation_id": self.session_id, "output_modalities": ["audio"], "metadata": r["metadata"],
                 "audio": {"output": {"format": format_json(self.config.output_format, self.config.output_rate)}}}
         if status == "cancelled":
             body["status_details"] = {"type": "cancelled", "reason": reason}
         return body
 
-    async def _open_response(self) -> None:
+    async def _open_response(self, metadata: dict | None = None, waiting: bool = False) -> None:
+        """Open a response: the agent takes the turn, or (``waiting``, a ``response.create``'s) will on
+        the frame with its BOS; nothing of the frames before that is sent."""
         self.response = r = {"id": new_id("resp"), "item_id": new_id("item"), "transcript": "", "spoke": False,
-                             "calls": []}
+                             "calls": [], "metadata": metadata, "waiting": waiting}
         await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
         item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
@@ -287,11 +300,7 @@ class ResponseEvents:
             if out.tag == "clear":
                 await self.send({"type": "input_audio_buffer.cleared"})
             return False
-        if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error), event_id=out.tag)
-            return False
-        if out.kind == "refused":
-            await self._refused(out)
+        if await self._client_refusal(out):
             return False
         if out.kind == "error":
             log.error("session %s failed", self.session_id, exc_info=out.error)
