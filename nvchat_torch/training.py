@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .language_heads import fused_input, language_heads
 from .tools import render_system_prompt
+from .training_labels import function_marker_ids
 
 if TYPE_CHECKING:
     from .networks import VoiceChatNetworks
@@ -174,7 +175,7 @@ def stt_loss(model: VoiceChatNetworks, out: STTOutput, text_labels: torch.Tensor
     function_scale = frames if function_mask is None else frames * _ids(function_mask, frames.device, "function_mask")
     if config.function_token_weights:
         w = config.function_token_weights
-        start, end, result_end = (model.tokenizer.convert_tokens_to_ids(t) for t in _markers())
+        start, end, result_end = function_marker_ids(model.tokenizer)
         function_scale = function_scale * _weights(function_labels, [
             (cfg.pad_token_id, w.get("pad", 0.1)), (start, w.get("sotc", 10.0)), (end, w.get("eotc", 10.0)),
             (result_end, w.get("eotr", 1.0))], w.get("call", 5.0))
@@ -185,11 +186,6 @@ def stt_loss(model: VoiceChatNetworks, out: STTOutput, text_labels: torch.Tensor
                 * function_scale.flatten()).sum() / count
     loss = config.text_loss_weight * text + config.function_loss_weight * function
     return {"loss": loss, "text_loss": text, "function_loss": function}
-
-
-def _markers() -> tuple[str, ...]:
-    from .training_labels import FUNCTION_MARKERS
-    return FUNCTION_MARKERS
 
 
 # --------------------------------------------------------------------------------------
@@ -239,12 +235,13 @@ def _with_mask_code(codes: torch.Tensor, keep: torch.Tensor, mask_code: int) -> 
 
 def tts_forward(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int], codes: torch.Tensor, *,
                 deterministic: bool = False, generator: torch.Generator | None = None,
-                config: TTSLossConfig | None = None) -> TTSOutput:
+                config: TTSLossConfig | None = None, eos_resets: bool = True) -> TTSOutput:
     """The MoG head's outputs at every TTS step ``[B, S, ...]``, teacher-forced after the speaker warmup.
 
     ``text_ids [S]`` / ``[B, S]``: each step's text id (the LLM's text output of its frame); ``codes
     [B, S, Q]``: each step's codes. Step ``s``'s input is step ``s - 1``'s codes (the warmup's mask codes
-    before the first), replaced by the silence codes where its text id is EOS, as the session resets them.
+    before the first), replaced by the silence codes where its text id is EOS, as the session resets them
+    (``eos_resets=False``: no reset, as NeMo's training feeds the shifted codes, ear_tts_model.py 1364-1365).
 
     ``deterministic=True``: the inference pass (conditional and unconditional rows, guidance), the head
     fed the target codes quantizer by quantizer as the schedule decides them; returns its outputs at each
@@ -271,7 +268,8 @@ def tts_forward(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int]
     latents = speech.audio_prompt_latents.latents()  # the speaker latents themselves (trainable if asked)
     first = prompt_codes[:, -1:].expand(b, 1, -1)
     previous = torch.cat([first, codes[:, :-1]], dim=1)
-    previous = torch.where((text == speech.eos_token_id)[..., None], speech.silence_codes(torch.long), previous)
+    if eos_resets:
+        previous = torch.where((text == speech.eos_token_id)[..., None], speech.silence_codes(torch.long), previous)
     dtype = tts.activation_dtype
     src = keep = torch.ones_like(codes, dtype=torch.bool)
     if not deterministic:

@@ -20,7 +20,7 @@ from .audio_io import read_wav
 
 __all__ = ["AgentTurn", "ToolCall", "Conversation", "read_manifest", "num_frames", "agent_channel",
            "delay_eos", "shift_channel", "FunctionChannel", "function_channel", "insert_frames",
-           "FUNCTION_MARKERS"]
+           "FUNCTION_MARKERS", "function_marker_ids", "Example", "build_example"]
 
 # NeMo's start-of-call, end-of-call and end-of-result markers (duplex_stt_model.py 903-933).
 FUNCTION_MARKERS = ("<SPECIAL_20>", "<SPECIAL_21>", "<SPECIAL_22>")
@@ -60,6 +60,17 @@ class Conversation:
     @property
     def duration(self) -> float:
         return len(self.user_audio) / 16000.0
+
+
+def function_marker_ids(tokenizer: Any) -> tuple[int, int, int]:
+    """The ids of :data:`FUNCTION_MARKERS` in ``tokenizer``; an error naming a marker it lacks."""
+    vocab = tokenizer.get_vocab()
+    missing = [m for m in FUNCTION_MARKERS if m not in vocab]
+    if missing:
+        raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s), which the function channel's "
+                         "labels need (NeMo's call markers, duplex_stt_model.py 903-933)")
+    start, end, result_end = (int(vocab[m]) for m in FUNCTION_MARKERS)
+    return start, end, result_end
 
 
 def _read_audio(path: Path, rate: int, what: str) -> np.ndarray:
@@ -281,7 +292,7 @@ def build_example(model: Any, conversation: Conversation, *, advance: int = 0, d
                             bos=cfg.bos_token_id, eos=cfg.eos_token_id, pad=cfg.pad_token_id)
     channel = shift_channel(channel, pad=cfg.pad_token_id, eos=cfg.eos_token_id, bos=cfg.bos_token_id,
                             advance=advance, delay=delay, delay_eos_by=delay_eos_by, delay_bos_by=delay_bos_by)
-    start, end, result_end = (tok.convert_tokens_to_ids(m) for m in FUNCTION_MARKERS)
+    start, end, result_end = function_marker_ids(tok) if conversation.tool_calls else (-1, -1, -1)
     calls = [(num_frames(c.time), encode(c.call), num_frames(c.time if c.result_time is None else c.result_time),
               encode(c.result)) for c in conversation.tool_calls]
     fn = function_channel(calls, frames, pad=cfg.pad_token_id, start=start, end=end, result_end=result_end)

@@ -15,16 +15,27 @@ import nvchat_torch as nv
 from nvchat_torch import adapters, training as tr
 from nvchat_torch import training_labels as tl
 from nvchat_torch.quant import QuantizedLinear
-from nvchat_torch.tiny import random_model
+from nvchat_torch.tiny import SPECIAL_TOKENS_MAP, build_tokenizer, random_model
+from transformers import PreTrainedTokenizerFast
 
 FRAME = 1280
 
 
 def _model(layout: str):
     """The tiny model in a card's layout, as load_model returns it unprepared: float32, bf16 weights
-    (float32 activations), or the mlx-community 4-bit / 8-bit packing."""
+    (float32 activations), or the mlx-community 4-bit / 8-bit packing; its tokenizer has the tool-call
+    markers <SPECIAL_20..22>."""
+    model = _layout(layout)
+    model.set_tokenizer(PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(300, specials=23),
+                                                **SPECIAL_TOKENS_MAP))
+    return model
+
+
+def _layout(layout: str):
     if layout == "f32":
         return random_model("tiny", seed=1)
+    if layout == "q4-prepared":  # as load_model returns a card: fused layouts, int4pack, fused CPU kernels
+        return random_model("tiny", seed=1, bits=4).prepare()
     if layout == "bf16":
         model = random_model("tiny", seed=1, dtype=torch.bfloat16)
         model.set_activation_dtype(torch.float32)
@@ -39,9 +50,14 @@ def wave():
     return (rng.standard_normal(FRAME * 24) * 0.1).astype(np.float32)
 
 
-def _session_run(model, wave, prompt):
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def _session_run(model, wave, prompt, tools=None):
     """A deterministic session fed 80 ms at a time: each frame's (text, function) ids and codes."""
-    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=prompt, deterministic=True))
+    options = nv.StreamingOptions(system_prompt=prompt, deterministic=True, tools=tools)
+    session = model.create_streaming_session(options)
     ids, codes = [], []
     for i in range(len(wave) // FRAME):
         events = session.push_audio(wave[i * FRAME:(i + 1) * FRAME], 16000)
@@ -50,17 +66,22 @@ def _session_run(model, wave, prompt):
     return torch.tensor(ids), torch.from_numpy(np.stack(codes)).long()
 
 
-@pytest.mark.parametrize("layout", ["f32", "bf16", "q4", "q8"])
+@pytest.mark.parametrize("layout", ["f32", "bf16", "q4", "q8", "q4-prepared"])
 def test_forwards_give_the_sessions_ids_and_codes(layout, wave):
     model = _model(layout)
-    for prompt in ("Be brief.", ""):  # the TTS check below takes the run without a prompt
-        ids, codes = _session_run(model, wave, prompt)
+    # a prompt, NVIDIA's function-calling prompt (711 tokens here, each a TTS step of the prefill: on one
+    # layout), none (the TTS check below takes the run without a prompt)
+    runs = [("Be brief.", None)] + [("Be brief.", TOOLS)] * (layout == "q4-prepared") + [("", None)]
+    for prompt, tools in runs:
+        ids, codes = _session_run(model, wave, prompt, tools)
         with torch.no_grad():
-            out = tr.stt_forward(model, torch.from_numpy(wave), ids[:, 0], ids[:, 1], system_prompt=prompt)
+            out = tr.stt_forward(model, torch.from_numpy(wave), ids[:, 0], ids[:, 1], system_prompt=prompt,
+                                 tools=tools)
         assert out.text_logits.shape == (1, len(ids), model.config.text_config.vocab_size)
         assert torch.equal(out.text_logits[0].argmax(-1), ids[:, 0]), layout
         assert torch.equal(out.function_logits[0].argmax(-1), ids[:, 1]), layout
-        assert out.prompt_length == (0 if prompt == "" else len(tr.prompt_ids(model, prompt)))
+        assert out.prompt_length == (0 if prompt == "" else len(tr.prompt_ids(model, prompt, tools)))
+        assert (out.prompt_length > 60) == (tools is not None)
     # Frame 0 runs no TTS (timeline position 0); the steps are frames 1.. (no prompt, so no prompt steps).
     # The events carry the codes with the codec's control codes replaced by silence; the session fed back
     # the raw ones. Teacher-force with the clean codes, then put back the raw picks wherever they clean to
