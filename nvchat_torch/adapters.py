@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import QuantSpec
 from .quant import Int4PackedLinear, QuantizedLinear, quantize_affine
 
-__all__ = ["LLM_TARGETS", "TTS_TARGETS", "LoRALinear", "add_lora", "lora_modules", "lora_parameters",
+__all__ = ["LLM_TARGETS", "TTS_TARGETS", "LoRALinear", "FrozenPacked", "dense_weight", "add_lora", "lora_modules", "lora_parameters",
            "save_adapter", "load_adapter", "merge_lora", "save_merged"]
 
 # Module names (regular expressions, full match) that take an adapter by default.
@@ -61,6 +62,24 @@ def dense_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         w = base.kernel.mm(eye, base.packed, base.group_size, base.scales_and_zeros)[:, :base.out_features]
         return w.t().to(dtype)
     return base.weight.to(dtype)
+
+
+class FrozenPacked(nn.Module):
+    """A packed linear that takes no adapter but sits where gradients pass (e.g. the vocabulary heads of the
+    4-bit card): its input gradient through :class:`_PackedMatmul` (torch's int4pack op has no derivative,
+    and an MLX-packed layer would otherwise keep its dequantized weight for the backward)."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base_layer = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PackedMatmul.apply(x, self.base_layer) if x.requires_grad else self.base_layer(x)
 
 
 class LoRALinear(nn.Module):
@@ -125,6 +144,11 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent)
         setattr(holder, child, LoRALinear(getattr(holder, child), r, alpha, dropout, generator, dtype))
+    for holder in list(model.modules()):  # the other packed linears: a backward that dequantizes, holds nothing
+        if not isinstance(holder, (LoRALinear, FrozenPacked)):
+            for child, m in list(holder.named_children()):
+                if isinstance(m, (QuantizedLinear, Int4PackedLinear)):
+                    setattr(holder, child, FrozenPacked(m))
     return names
 
 
@@ -198,12 +222,18 @@ def merge_lora(model: nn.Module) -> list[str]:
                 if base.bias is not None:
                     dense.bias.copy_(base.bias.float())
                 base = dense.requires_grad_(False)
-                base.quantized_spec = getattr(m.base_layer, "spec", None)  # type: ignore[assignment]
+                old = m.base_layer
+                base.quantized_spec = (old.spec if isinstance(old, QuantizedLinear) else  # type: ignore[assignment]
+                                       QuantSpec(4, old.group_size))
             else:
                 base.weight.copy_((base.weight.float() + m.delta()).to(base.weight.dtype))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, base)
         merged.append(name)
+    for holder in list(model.modules()):
+        for child, m in list(holder.named_children()):
+            if isinstance(m, FrozenPacked):
+                setattr(holder, child, m.base_layer)
     return merged
 
 
@@ -216,8 +246,10 @@ def save_merged(model: nn.Module, folder: str | os.PathLike) -> Path:
 
     from .tiny import write_card_files
 
-    if getattr(model, "prepared", False):
-        raise ValueError("save_merged: load the model with prepare=False (a prepared model's layout is not a card's)")
+    if getattr(model, "prepared", False) or any(isinstance(m, Int4PackedLinear) and not isinstance(p, LoRALinear)
+                                                for p in model.modules() for m in p.children()):
+        raise ValueError("save_merged: the model's layout is not a card's (prepare() or pack_int4 changed it); "
+                         "load it with prepare=False and train without pack_int4 to write a card")
     merge_lora(model)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-targets", default="llm,tts", help="comma-separated: llm, tts, or regexes")
     p.add_argument("--merge", action="store_true", help="also write the adapters merged into a card (DIR/model)")
+    p.add_argument("--int4pack", action="store_true",
+                   help="run the 4-bit base on torch's int4pack kernel (faster on GPUs; no --merge then)")
+    p.add_argument("--accumulate", type=int, default=1, help="conversations per optimizer step")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -162,7 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     conversations = read_manifest(args.data)
+    if args.int4pack and (args.full or args.merge):
+        raise SystemExit("--int4pack: the adapters then sit over a layout no card has; drop --full / --merge")
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
     model = _load(args)
+    if args.int4pack:
+        from .quant import pack_int4
+        print(f"int4pack: {pack_int4(model)} packed linears", file=sys.stderr)
     examples = [build_example(model, c, advance=args.advance, delay=args.delay, delay_eos_by=args.delay_eos_by,
                               delay_bos_by=args.delay_bos_by, speech_delay=args.speech_delay) for c in conversations]
     generator = torch.Generator(device=model.device).manual_seed(args.seed)
@@ -190,15 +200,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(out / "loss_log.jsonl", "w") as log:
         perm: list[int] = []
         for step in range(args.steps):
-            if not perm:
-                perm = torch.randperm(len(examples), generator=order).tolist()
-            example = examples[perm.pop()]
             start = time.perf_counter()
-            losses = train_step(model, example, objectives, generator, stt_config, tts_config)
             optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
+            totals: dict[str, float] = {}
+            for _ in range(args.accumulate):  # the mean of the conversations' losses
+                if not perm:
+                    perm = torch.randperm(len(examples), generator=order).tolist()
+                losses = train_step(model, examples[perm.pop()], objectives, generator, stt_config, tts_config)
+                (losses["loss"] / args.accumulate).backward()
+                for k, v in losses.items():
+                    totals[k] = totals.get(k, 0.0) + float(v.detach()) / args.accumulate
             optimizer.step()
-            values = {k: float(v.detach()) for k, v in losses.items()}
+            values = totals
             log.write(json.dumps({"step": step + 1, **values, "seconds": time.perf_counter() - start}) + "\n")
             log.flush()
             progress.update({k: v for k, v in values.items() if k.endswith("loss")})

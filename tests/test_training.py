@@ -393,6 +393,48 @@ def test_merged_card_loads(tmp_path):
     torch.testing.assert_close(_outputs(loaded, example), tuned, rtol=1e-4, atol=1e-4)
 
 
+def test_merged_4bit_card_holds_the_requantized_sum(tmp_path):
+    """Merging into the 4-bit card: each adapted layer is stored as MLX's 4-bit quantization of W + (a/r) B A
+    (with the layer's own group size), every other tensor as it was."""
+    from nvchat_torch.quant import quantize_affine, dequantize
+    model = _model("q4")
+    example = _example(model, frames=4)
+    untouched = {k: v.clone() for k, v in model.stt_model.lm_head.state_dict().items()}
+    names = adapters.add_lora(model, r=2, alpha=4, targets=adapters.LLM_TARGETS,
+                              generator=torch.Generator().manual_seed(0))
+    _train_adapter(model, example, steps=1)
+    name = names[0]
+    layer = adapters.lora_modules(model)[name]
+    expected = layer.base_layer.dequantized(torch.float32) + layer.delta()
+    assert isinstance(model.stt_model.lm_head, adapters.FrozenPacked)  # on the gradients' path, no adapter
+    adapters.save_merged(model, tmp_path / "card")
+    loaded = nv.load_model(tmp_path / "card", device="cpu", weights="packed", prepare=False)
+    got = loaded.get_submodule(name)
+    assert isinstance(got, QuantizedLinear) and got.spec.bits == 4
+    wq, scales, biases = quantize_affine(expected, 4, got.spec.group_size)
+    assert torch.equal(got.dequantized(torch.float32), dequantize(wq, scales, biases, got.spec, torch.float32))
+    assert all(torch.equal(v, loaded.stt_model.lm_head.state_dict()[k]) for k, v in untouched.items())
+
+
+def test_lora_over_the_int4pack_kernel_trains_like_the_mlx_packing():
+    """QLoRA on torch's int4pack kernel (``--int4pack``): the adapters' gradients are those of the same
+    adapters over the MLX-packed layers (the same 4-bit weights, another matmul)."""
+    from nvchat_torch.quant import Int4PackedLinear, pack_int4
+    grads = []
+    for int4 in (False, True):
+        model = _model("q4")
+        if int4:
+            assert pack_int4(model, dtype=torch.float32) > 0
+        adapters.add_lora(model, r=2, alpha=4, targets=adapters.LLM_TARGETS, generator=torch.Generator().manual_seed(0))
+        for m in adapters.lora_modules(model).values():
+            torch.nn.init.normal_(m.lora_B.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+        assert any(isinstance(m.base_layer, Int4PackedLinear) for m in adapters.lora_modules(model).values()) == int4
+        stt, _ = _losses(model, _example(model, frames=4), torch.Generator().manual_seed(0))
+        stt.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in adapters.lora_parameters(model)]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["mlx", "int4pack"])
 def test_packed_base_backward_is_the_dense_one(kind):
     """QLoRA's backward: the input gradient through a frozen 4-bit base equals the dense matmul's, with
