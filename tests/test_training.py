@@ -517,3 +517,16 @@ def test_full_fine_tuning_freezes_as_nvidia_does():
     tts_and_head = set_trainable(model, ["tts"], keep=[r"stt_model\.lm_head\.weight"])  # prevent_freeze_params
     assert "stt_model.lm_head.weight" in tts_and_head and not any(n.startswith("stt_model.llm.") for n in tts_and_head)
     assert all(p.requires_grad == (n in tts_and_head) for n, p in model.named_parameters())
+
+
+def test_eos_resets_the_previous_codes_to_silence():
+    """At an EOS step the session feeds the silence codes instead of the previous frame's; NeMo's training
+    input does not (``eos_resets=False``): the two differ from that step on, not before."""
+    model = _model("f32")
+    _, text, _, codes = _example(model, frames=6)
+    text[3] = model.config.eos_token_id
+    text[:3] = torch.where(text[:3] == model.config.eos_token_id, 5, text[:3])
+    with torch.no_grad():
+        on = tr.tts_forward(model, text, codes, generator=torch.Generator().manual_seed(0))
+        off = tr.tts_forward(model, text, codes, generator=torch.Generator().manual_seed(0), eos_resets=False)
+    assert torch.equal(on.mu_res[:, :3], off.mu_res[:, :3]) and not torch.allclose(on.mu_res[:, 3], off.mu_res[:, 3])
