@@ -134,21 +134,26 @@ def num_frames(seconds: float, frame: float = 0.08, rate: int = 16000) -> int:
 
 
 def agent_channel(turns: Sequence[tuple[float, float, Sequence[int]]], frames: int, *, bos: int, eos: int,
-                  pad: int) -> list[int]:
-    """The agent text channel of ``build_token_channel`` (s2s_dataset.py 2235-2351, no timestamps): PAD
-    everywhere; each turn ``(start, end, ids)`` writes BOS then one subword per frame from
+                  pad: int, tts: bool = False, rate: int = 16000) -> list[int]:
+    """The agent text channel of the STT data's ``build_token_channel`` (s2s_dataset.py 2235-2351, no
+    timestamps): PAD everywhere; each turn ``(start, end, ids)`` writes BOS then one subword per frame from
     ``num_frames(start)``, cut to the frames before ``num_frames(end)``, and EOS at ``num_frames(end)``
-    when that is inside the conversation (2337-2340). A turn starting past the end is skipped (2262-2266)."""
+    when that is inside the conversation (2337-2340). A turn starting past the end is skipped (2262-2266).
+
+    ``tts``: the TTS data's ``build_token_channel`` (duplex_ear_tts_dataset.py 843-927): the text is not cut at
+    the turn's end (only at the conversation's), the EOS written after it, and only a turn starting past the
+    last frame is skipped; ``rate``: the cut's sampling rate, which the rounding of times depends on (the
+    TTS data is read at 22,050 Hz)."""
     tokens = [pad] * frames
     for start, end, ids in turns:
-        pos, eos_pos = num_frames(start), num_frames(end)
-        if pos >= frames:
+        pos, eos_pos = num_frames(start, rate=rate), num_frames(end, rate=rate)
+        if pos > frames or (pos == frames and not tts):
             continue
         available = eos_pos - pos
         text = [bos, *ids]
-        if available > 0 and len(text) > available:
+        if not tts and available > 0:
             text = text[:available]
-        elif available <= 0:
+        elif not tts:
             text = []
         text = text[:frames - pos]
         tokens[pos:pos + len(text)] = text
@@ -273,7 +278,8 @@ def build_example(model: Any, conversation: Conversation, *, advance: int = 0, d
     duplex_stt_model.py 1566-1588; NeMo inserts the encoder's silence, here zero samples), and for the TTS
     the codec's codes of the agent audio delayed by ``speech_delay`` frames (default the card's
     ``num_delay_speech_tokens``; add_speech_delay, duplex_ear_tts_dataset.py 506-566) and the text of the
-    next frame (``subword_ids = target[:, 1:]``, duplex_ear_tts.py 449)."""
+    next frame (``subword_ids = target[:, 1:]``, duplex_ear_tts.py 449) from the TTS data's own agent
+    channel (``agent_channel(..., tts=True)``)."""
     import torch
 
     cfg, tok = model.config, model.tokenizer
@@ -309,5 +315,8 @@ def build_example(model: Any, conversation: Conversation, *, advance: int = 0, d
         agent[:len(audio)] = audio
         with torch.no_grad():
             codes = codec.encode(torch.from_numpy(agent).to(model.device).view(1, 1, -1)).transpose(1, 2)[0]
-        example.tts_text, example.codes = channel[1:], codes[:frames - 1].long()
+        tts_channel = agent_channel([(t.start, t.end, encode(t.text)) for t in conversation.turns], frames,
+                                    bos=cfg.bos_token_id, eos=cfg.eos_token_id, pad=cfg.pad_token_id, tts=True,
+                                    rate=cfg.output_sample_rate)
+        example.tts_text, example.codes = tts_channel[1:], codes[:frames - 1].long()
     return example

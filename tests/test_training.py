@@ -137,6 +137,11 @@ def test_agent_channel_worked_cases():
     assert tl.agent_channel([(0.08, 2.0, [5, 6, 7, 8])], 4, bos=B, eos=E, pad=P) == [P, B, 5, 6]
     # end <= start: no text, but the EOS is still placed (2295-2297, 2337-2340)
     assert tl.agent_channel([(0.4, 0.4, [5])], 8, bos=B, eos=E, pad=P) == [P] * 5 + [E] + [P] * 2
+    # The TTS data's channel (duplex_ear_tts_dataset.py 888-925): the text is not cut at the turn's end, whose
+    # EOS is written over it (923-925); times round at the cut's 22,050 Hz (1764-sample hop).
+    assert tl.agent_channel([(0.08, 0.24, [5, 6, 7, 8])], 8, bos=B, eos=E, pad=P, tts=True, rate=22050) == \
+        [P, B, 5, E, 7, 8, P, P]
+    assert tl.num_frames(0.12, rate=22050) == 2 and tl.num_frames(0.119, rate=22050) == 1  # (2646 + 882) // 1764
 
 
 def test_shifts_and_delays_worked_cases():
