@@ -1,4 +1,5 @@
-"""A check, run by hand: NeMo's own label functions against :mod:`nvchat_torch.training_labels` on random inputs.
+"""A check, run by hand: NeMo's own label functions and EAR-TTS loss against :mod:`nvchat_torch.training_labels`
+and :mod:`nvchat_torch.training` on random inputs.
 
     python -m benchmarks.nemo_labels --nemo /path/to/NeMo [--trials 3000]
 
@@ -6,7 +7,7 @@
 mirror). NeMo does not install for a CPU test run (lhotse, hydra, Megatron), so the functions are read from
 its source files and run with stand-ins for what they import (logging, lhotse's ``compute_num_frames`` as
 lhotse documents it, the tokenizer, a ``self`` for the model's methods); nothing of NeMo is copied here.
-Results: docs/training.md ("Labels").
+Results: docs/training.md ("Labels", "The objectives").
 """
 
 from __future__ import annotations
@@ -130,6 +131,62 @@ def check_agent_channels(root: Path, rng: random.Random, trials: int) -> None:
     print(f"build_token_channel (the STT and the TTS data's): equal on {trials} random conversations")
 
 
+def check_tts_loss(root: Path, rng: random.Random, trials: int) -> None:
+    """``RVQEARTTSModel._compute_losses`` with its ``depthsum_embedding`` and ``MoGHead.dist`` against
+    :func:`~nvchat_torch.training.tts_loss` on the tiny model's codebooks and random head outputs."""
+    import contextlib
+    import math
+
+    import torch.nn.functional as F
+
+    from nvchat_torch.tiny import random_model
+    from nvchat_torch.training import TTSLossConfig, TTSOutput, tts_loss
+
+    ear = nemo_functions(root / "modules/ear_tts_model.py", {"_compute_losses", "depthsum_embedding", "dist"},
+                         {"F": F, "math": math, "Tensor": torch.Tensor, "fp32_precision": contextlib.nullcontext})
+    model = random_model("tiny", seed=2)
+    tts = model.tts_model.tts_model
+    head, cfg = tts.mog_head, tts.config
+    nemo_head = NS(low_rank=head.low_rank, low_mat=head.low_mat.detach(), num_predictions=head.num_predictions)
+    nemo_head.dist = lambda mus, mu: ear["dist"](nemo_head, mus, mu)
+    me = NS(rvq_embs=tts.rvq_embs.detach(), mog_head=nemo_head,
+            config=_Cfg(disable_eos_prediction=True, latent_size=cfg.latent_size, codebook_size=cfg.codebook_size,
+                        label_smoothing=0.01))
+    me.depthsum_embedding = lambda code: ear["depthsum_embedding"](me, code)
+    g = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    q, k, r, d = cfg.num_quantizers, head.num_predictions, head.low_rank, cfg.latent_size
+    for _ in range(max(1, trials // 100)):
+        b, s = 2, 5
+        out = TTSOutput(torch.randn(b, s, k, generator=g), torch.randn(b, s, k, r, generator=g),
+                        torch.randn(b, s, d, generator=g), torch.randn(b, s, 1, generator=g).clamp(min=-4),
+                        torch.arange(q) < torch.randint(0, q + 1, (b, s, 1), generator=g),
+                        torch.ones(b, s, q, dtype=torch.bool))
+        codes = torch.randint(0, cfg.codebook_size, (b, s, q), generator=g)
+        steps = torch.rand(b, s, generator=g) < 0.8
+        _, c_loss, k_loss = ear["_compute_losses"](me, codes, None, out.logits, out.mus, out.mu_res, out.log_std,
+                                                   out.src_mask, out.tgt_mask, steps)
+        mine = tts_loss(model, out, codes, steps, TTSLossConfig(label_smoothing=0.01))
+        torch.testing.assert_close(mine["c_loss"], c_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine["k_loss"], k_loss, rtol=1e-5, atol=1e-6)
+    print(f"_compute_losses (c_loss, k_loss): equal on {max(1, trials // 100)} random batches")
+    # prepare_training_inputs draws from the global generator in the order quantizer_masks draws from its own
+    prep = nemo_functions(root / "modules/ear_tts_model.py",
+                          {"prepare_training_inputs", "get_mask", "sequence_mask", "get_masking_rate"}, {"Tensor": torch.Tensor})
+    conf = TTSLossConfig()
+    me.config = _Cfg(max_training_rate=conf.max_training_rate, exponent=conf.exponent, num_quantizers=q,
+                     codebook_size=cfg.codebook_size, random_target_masking=False,
+                     quantizer_dropout=conf.quantizer_dropout)
+    from nvchat_torch.training import quantizer_masks
+    for seed in range(max(1, trials // 100)):
+        codes = torch.randint(0, cfg.codebook_size, (3, 40, q), generator=g)
+        torch.manual_seed(seed)
+        _, src, _, _, dropped = prep["prepare_training_inputs"](me, codes)
+        torch.manual_seed(seed)
+        mine_src, keep = quantizer_masks((3, 40), q, conf, None, torch.device("cpu"))
+        assert torch.equal(src, mine_src) and torch.equal(dropped != cfg.codebook_size, keep)
+    print(f"prepare_training_inputs (masking, quantizer dropout): the same draws on {max(1, trials // 100)} seeds")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.nemo_labels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     check_shifts(root, rng, args.trials)
     check_function_channel(root, rng, args.trials)
     check_agent_channels(root, rng, args.trials)
+    check_tts_loss(root, rng, args.trials)
     return 0
 
 
