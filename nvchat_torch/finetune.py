@@ -116,7 +116,7 @@ def _load(args: argparse.Namespace) -> nn.Module:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
     if args.model is None:
         return load_tiny_model(args.device, dtype or torch.float32, preset=args.preset, prepare=False)
-    return load_model(args.model, device=args.device, dtype=dtype, prepare=False)
+    return load_model(args.model, device=args.device, dtype=dtype, weights=args.weights, prepare=False)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -127,6 +127,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="card folder or Hub id (default: the tiny embedded model)")
     p.add_argument("--preset", default="tiny", choices=["tiny", "deep"], help="embedded model preset")
     p.add_argument("--device", default=None)
+    p.add_argument("--weights", default="packed", choices=["packed", "dequantized", "auto"],
+                   help="a quantized card's matrices: kept packed (QLoRA, the default) or expanded (load_model's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weights' dtype (default: as the card stores them; the tiny model: float32)")
     p.add_argument("--objectives", default="stt,tts", help="comma-separated: stt, tts")

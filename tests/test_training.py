@@ -15,7 +15,7 @@ import nvchat_torch as nv
 from nvchat_torch import adapters, training as tr
 from nvchat_torch import training_labels as tl
 from nvchat_torch.quant import QuantizedLinear
-from nvchat_torch.tiny import SPECIAL_TOKENS_MAP, build_tokenizer, random_model
+from nvchat_torch.tiny import SPECIAL_TOKENS_MAP, build_tokenizer, random_model, save_checkpoint
 from transformers import PreTrainedTokenizerFast
 
 FRAME = 1280
@@ -504,6 +504,14 @@ def test_finetune_command_line(tmp_path):
     assert config["peft_type"] == "LORA" and config["r"] == 8
     merged = nv.load_model(out / "model", device="cpu", dtype=torch.float32)  # the merged card loads
     assert merged.config.text_config.vocab_size == 320
+    card = save_checkpoint(_model("q4"), tmp_path / "card4", bits=4, group_size=64)  # a 4-bit card: QLoRA
+    assert finetune.main(["--data", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "q"), "--model", str(card),
+                          "--steps", "2", "--objectives", "stt", "--lora-targets", "llm"]) == 0
+    config = json.loads((tmp_path / "q" / "train_config.json").read_text())
+    reference = _model("q4")
+    adapters.add_lora(reference, r=8, targets=adapters.LLM_TARGETS)
+    assert config["weights"] == "packed"
+    assert config["trainable_parameters"] == sum(p.numel() for p in adapters.lora_parameters(reference))
     full = tmp_path / "full"
     assert finetune.main(["--data", str(tmp_path / "m.jsonl"), "--out", str(full), "--steps", "2", "--full",
                           "--objectives", "stt"]) == 0
