@@ -464,7 +464,7 @@ def test_packed_base_backward_is_the_dense_one(kind):
 
 def test_peft_reads_our_adapter(tmp_path):
     """peft (the ``train`` extra) loads a saved adapter onto the dense model and computes the same outputs."""
-    peft = pytest.importorskip("peft")
+    import peft  # the train extra, which .ci/run installs
     model = _model("f32")
     example = _example(model, frames=6)
     adapters.add_lora(model, r=4, alpha=8, targets=adapters.TTS_TARGETS, generator=torch.Generator().manual_seed(0))
