@@ -1,7 +1,8 @@
 """LoRA adapters on the LLM's and the TTS backbone's projections, the packed 4-bit base included.
 
 ``y = base(x) + (alpha / r) * B(A(dropout(x)))`` with ``A`` Kaiming-uniform and ``B`` zero, as peft's
-LoRA initialises them, so a fresh adapter changes no output. The base stays frozen and, where it is
+LoRA initialises them, so a fresh adapter changes no output; the initialisation and the dropout masks draw
+from the generator given to :func:`add_lora`. The base stays frozen and, where it is
 packed, packed: a packed base's input gradient is ``grad_y @ W`` with ``W`` dequantized inside the
 backward and dropped after (QLoRA's recipe), never held between calls.
 
@@ -101,7 +102,8 @@ class LoRALinear(nn.Module):
             self.lora_A.weight.copy_(torch.rand(self.lora_A.weight.shape, generator=generator, device=device)
                                      .mul_(2 * bound).sub_(bound))
             self.lora_B.weight.zero_()
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout = dropout
+        self.generator = generator  # the dropout masks' draws, in training mode
         self.packed = isinstance(base, (QuantizedLinear, Int4PackedLinear))
 
     @property
@@ -110,7 +112,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _PackedMatmul.apply(x, self.base_layer) if self.packed and x.requires_grad else self.base_layer(x)
-        update = self.lora_B(self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype)))
+        h = x.to(self.lora_A.weight.dtype)
+        if self.training and self.dropout > 0:  # nn.Dropout's, with the masks from the adapters' generator
+            keep = torch.rand(h.shape, generator=self.generator, device=h.device) >= self.dropout
+            h = h * keep / (1 - self.dropout)
+        update = self.lora_B(self.lora_A(h))
         return y + (update * self.scaling).to(y.dtype)
 
     def delta(self) -> torch.Tensor:
@@ -143,12 +149,13 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     for name in names:
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent)
-        setattr(holder, child, LoRALinear(getattr(holder, child), r, alpha, dropout, generator, dtype))
+        layer = LoRALinear(getattr(holder, child), r, alpha, dropout, generator, dtype)
+        setattr(holder, child, layer.train(model.training))  # the model's mode (a new module trains)
     for holder in list(model.modules()):  # the other packed linears: a backward that dequantizes, holds nothing
         if not isinstance(holder, (LoRALinear, FrozenPacked)):
             for child, m in list(holder.named_children()):
                 if isinstance(m, (QuantizedLinear, Int4PackedLinear)):
-                    setattr(holder, child, FrozenPacked(m))
+                    setattr(holder, child, FrozenPacked(m).train(model.training))
     return names
 
 
@@ -157,9 +164,8 @@ def _config(model: nn.Module) -> dict[str, Any]:
     if not wrapped:
         raise ValueError("the model has no LoRA adapter")
     first = next(iter(wrapped.values()))
-    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
     # peft's LoraConfig fields (what peft.LoraConfig.from_pretrained reads)
-    return {"peft_type": "LORA", "r": first.r, "lora_alpha": first.alpha, "lora_dropout": dropout,
+    return {"peft_type": "LORA", "r": first.r, "lora_alpha": first.alpha, "lora_dropout": first.dropout,
             "target_modules": sorted(wrapped), "bias": "none", "init_lora_weights": True,
             "fan_in_fan_out": False, "base_model_name_or_path": getattr(model, "source", None),
             "task_type": None, "inference_mode": True}

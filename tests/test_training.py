@@ -440,6 +440,23 @@ def test_lora_over_the_int4pack_kernel_trains_like_the_mlx_packing():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-5)
 
 
+def test_lora_dropout_draws_from_the_generator():
+    model = _model("f32")
+    example = _example(model, frames=4)
+    adapters.add_lora(model, r=2, alpha=4, dropout=0.5, targets=adapters.TTS_TARGETS,
+                      generator=torch.Generator().manual_seed(0))
+    for m in adapters.lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B.weight, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_outputs(model, example), _outputs(model, example))  # eval: no dropout
+    model.train()
+    runs = []
+    for seed in (3, 3, 4):
+        for m in adapters.lora_modules(model).values():
+            m.generator = torch.Generator().manual_seed(seed)
+        runs.append(_outputs(model, example))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
 @pytest.mark.parametrize("kind", ["mlx", "int4pack"])
 def test_packed_base_backward_is_the_dense_one(kind):
     """QLoRA's backward: the input gradient through a frozen 4-bit base equals the dense matmul's, with
