@@ -66,9 +66,13 @@ def _session_run(model, wave, prompt, tools=None):
     return torch.tensor(ids), torch.from_numpy(np.stack(codes)).long()
 
 
-@pytest.mark.parametrize("layout", ["f32", "bf16", "q4", "q8", "q4-prepared"])
-def test_forwards_give_the_sessions_ids_and_codes(layout, wave):
-    model = _model(layout)
+@pytest.mark.parametrize("layout", ["f32", "bf16", "q4", "q8", "q4-prepared", "mlx-card-q4"])
+def test_forwards_give_the_sessions_ids_and_codes(layout, wave, request):
+    if layout == "mlx-card-q4":  # the 4-bit card MLX itself writes (tests/conftest.py), loaded for training
+        model = nv.load_model(request.getfixturevalue("ckpt_q4"), device="cpu", weights="packed", prepare=False)
+        assert any(isinstance(m, QuantizedLinear) for m in model.modules())
+    else:
+        model = _model(layout)
     # a prompt, NVIDIA's function-calling prompt (711 tokens here, each a TTS step of the prefill: on one
     # layout), none (the TTS check below takes the run without a prompt)
     runs = [("Be brief.", None)] + [("Be brief.", TOOLS)] * (layout == "q4-prepared") + [("", None)]
