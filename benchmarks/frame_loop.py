@@ -5,6 +5,7 @@
     python -m benchmarks.frame_loop --model weights/NemotronLabs-VoiceChat-11B-4bit --device mps
     python -m benchmarks.frame_loop --memory             # memory of the full-size model as loaded
     python -m benchmarks.frame_loop --sessions 1,2,4,8   # the batched engine: sessions per step
+    python -m benchmarks.frame_loop --compile            # compiled vs fused eager vs composite eager
 
 Without ``--model`` it generates (once, cached) a model with tiny widths but the real depth of every
 network: 56 Nemotron-H layers with the real pattern, 24 Conformer layers, 28 TTS layers, 3 codec
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with --sessions: times each count is timed (median)")
     p.add_argument("--deterministic", action="store_true",
                    help="with --sessions: deterministic sessions (default: sampling, each its own seed)")
+    p.add_argument("--compile", action="store_true",
+                   help="the compiled frame step against the fused and composite eager ones, in one run: frame "
+                        "time, kernels, memory (benchmarks.compiled_step)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.memory:
@@ -289,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = generated_checkpoint(args.preset, None if args.bits == "none" else int(args.bits))
     wave = test_signal(args.seconds)
+    if args.compile:
+        from benchmarks.compiled_step import compare, table
+
+        rows = compare(path, args, wave)
+        print(f"machine: {machine()}")
+        print(table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "variants": rows}, indent=1) + "\n")
+        return 0
     if args.sessions:
         counts = [int(c) for c in args.sessions.split(",")]
         rows = run_engine(path, args, wave, counts)

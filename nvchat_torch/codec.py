@@ -70,12 +70,12 @@ class ConvNeXtBlock(nn.Module, FusedOnCpu):
     def use_cpu_kernels(self) -> None:
         """The fused block where its weights are float32 already (no second copy of the pointwise convs),
         and torch's BLAS is reachable for them."""
-        self.cpu_kernels = cpu_kernels.blas() and all(p.dtype == torch.float32 for p in self.parameters())
+        self.fused_on_cpu = cpu_kernels.blas() and all(p.dtype == torch.float32 for p in self.parameters())
 
     def forward(self, x: torch.Tensor, states: list[torch.Tensor] | None = None, index: int = 0) -> torch.Tensor:
         """``states[index]``: ``[B, C, kernel - 1]`` previous input frames (None: zeros), replaced by this
         call's last ones (a view of the window: one ``cat`` a step, no copy)."""
-        if self.cpu_kernels and cpu_kernels.usable(x):
+        if self.fused_on_cpu and cpu_kernels.usable(x):
             state = x.new_zeros(x.shape[0], x.shape[1], self.context) if states is None else states[index]
             if cpu_kernels.usable(state):
                 out, state = torch.ops.nvchat_cpu.convnext_block(
@@ -131,11 +131,11 @@ class Upsample(nn.ConvTranspose1d, FusedOnCpu):
     where oneDNN's set-up grows with the rows)."""
 
     def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = (cpu_kernels.blas() and self.bias is None and self.weight.dtype == torch.float32
+        self.fused_on_cpu = (cpu_kernels.blas() and self.bias is None and self.weight.dtype == torch.float32
                             and self.kernel_size == self.stride and self.padding == (0,) and self.groups == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.cpu_kernels and x.dim() == 3 and cpu_kernels.usable(x):
+        if self.fused_on_cpu and x.dim() == 3 and cpu_kernels.usable(x):
             return torch.ops.nvchat_cpu.upsample_conv1d(x, self.weight)
         return super().forward(x)
 
@@ -368,7 +368,7 @@ class Codec(nn.Module, FusedOnCpu):
         frames = torch.matmul(self.synthesis_basis, spectrum)  # [B, n_fft, N]
         if envelope is None:
             envelope = self._envelope(spectrum.shape[-1])
-        if self.cpu_kernels and cpu_kernels.usable(frames, envelope):  # clamp, window, overlap-add, divide: one op
+        if self.fused_on_cpu and cpu_kernels.usable(frames, envelope):  # clamp, window, overlap-add, divide: one op
             return torch.ops.nvchat_cpu.overlap_add(frames, self.window, envelope, self.config.hop_length)
         bound = self.window[:, None]
         frames = torch.clamp(frames, -bound, bound)

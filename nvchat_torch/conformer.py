@@ -171,7 +171,7 @@ class FusedRelPositionAttention(RelPositionAttention, FusedOnCpu):
         + 1 slots). ``positions``: as :meth:`position_scores` takes them, or this layer's whole table
         ``[H, hd, D]`` (a fused encoder's step), which the fused op reads at each row's slots' columns."""
         if positions.dim() == 3:
-            if self.cpu_kernels and cpu_kernels.usable(x, kv, positions) and \
+            if self.fused_on_cpu and cpu_kernels.usable(x, kv, positions) and \
                     (rows.mask is None or cpu_kernels.usable(rows.mask)):
                 b = x.shape[0]
                 out = torch.ops.nvchat_cpu.conformer_attention_step(
@@ -207,7 +207,7 @@ class ConvModule(nn.Module, FusedOnCpu):
         """One frame per stream ``x [B, 1, d]`` -> ``(x + conv(norm(x)), next state)``. ``state [B, d,
         kernel - 1]`` holds each row's GLU outputs of its last ``kernel - 1`` frames, oldest first (zeros
         before its first): the window is them and this frame's, one cat, whatever frame each row is at."""
-        if self.cpu_kernels and cpu_kernels.usable(x):
+        if self.fused_on_cpu and cpu_kernels.usable(x):
             return self._fused_step(x, norm, state)
         window = torch.cat([state, self._glu(norm(x)).transpose(1, 2)], dim=2)
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
@@ -217,7 +217,7 @@ class ConvModule(nn.Module, FusedOnCpu):
         """On a float32 CPU model (``prepare()``): GLU, the depthwise conv with its state, the norm and
         SiLU as one fused kernel, taking the float32 parameters the conv and the norm keep for their own
         fused ops (``prepare()`` gives them theirs too)."""
-        self.cpu_kernels = self.batch_norm.bias is not None
+        self.fused_on_cpu = self.batch_norm.bias is not None
 
     def _fused_step(self, x: torch.Tensor, norm: nn.Module, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_step` with the norm and first projection fused, and the middle (a composite
@@ -387,7 +387,7 @@ class FastConformer(nn.Module, FusedOnCpu):
         self._stack_tables()
 
     def use_cpu_kernels(self) -> None:  # the fused attention steps read the stacked tables themselves
-        self.cpu_kernels = self.pos_tables is not None
+        self.fused_on_cpu = self.pos_tables is not None
 
     def _stack_tables(self) -> None:
         stream_pos = self.stream_pos.to(self.activation_dtype)
@@ -510,7 +510,7 @@ class FastConformer(nn.Module, FusedOnCpu):
         # Each row's slots' distance terms, for every layer at once: the stacked tables (fused), or the
         # shared distance table that each layer then projects; the fused CPU step reads each layer's
         # table at the rows' columns itself (the gather grows with the rows: 70 us at 1, 350 at 8).
-        if self.cpu_kernels:
+        if self.fused_on_cpu:
             positions = self.pos_tables
         elif self.pos_tables is not None:
             positions = self.pos_tables[:, :, :, rows.columns]

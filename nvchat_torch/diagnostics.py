@@ -13,12 +13,12 @@ import os
 import re
 import warnings
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["return_freed_memory", "HOST_READS", "count_host_reads", "OpCounter", "model_bytes", "device_memory", "synchronize",
+__all__ = ["return_freed_memory", "HOST_READS", "count_host_reads", "OpCounter", "kernel_launches", "model_bytes", "device_memory", "synchronize",
            "MPS_CPU_FALLBACK", "CpuFallbackWarning", "CpuFallbackRecorder"]
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
@@ -43,6 +43,43 @@ def count_host_reads() -> Iterator[Counter]:
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+
+
+# Ops that launch no kernel: views and reshapes, and allocations.
+_NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::slice", "aten::select",
+             "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::transpose", "aten::permute", "aten::t",
+             "aten::detach", "aten::alias", "aten::unflatten", "aten::flatten", "aten::narrow", "aten::split",
+             "aten::split_with_sizes", "aten::chunk", "aten::unbind", "aten::view_as", "aten::lift_fresh",
+             "aten::_reshape_alias", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_",
+             "aten::contiguous", "aten::expand_as", "aten::diagonal", "aten::numpy_T", "aten::_unsafe_split",
+             "aten::movedim", "aten::result_type", "aten::is_nonzero", "aten::to"}
+
+
+def _is_kernel(name: str) -> bool:
+    return (name.startswith(("aten::", "nvchat_cpu::", "cpp_fused", "triton_", "cpp_")) and name not in _NO_KERNEL)
+
+
+def kernel_launches(run: Callable[[], object]) -> int:
+    """Kernels ``run()`` launches, from torch's profiler, which also sees inside a compiled region (a
+    dispatch mode such as :class:`OpCounter` does not): each outermost event that is an ATen op other
+    than a view or an allocation, a fused ``nvchat_cpu`` op, or a kernel inductor generated (with
+    ``torch._inductor.config.cpp.enable_kernel_profile`` set when it compiled, on a CPU); one nested
+    inside another, such as the ops a composite op calls, is part of its parent's launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    count = 0
+    for event in prof.events():
+        if not _is_kernel(event.name):
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested = _is_kernel(parent.name)
+            parent = parent.cpu_parent
+        count += not nested
+    return count
+
 
 
 class OpCounter(TorchDispatchMode):

@@ -130,15 +130,16 @@ class CompositePath:
     CUDA run, so an audit of it says what MPS would run (the fused ops are CPU-only)."""
 
     def __init__(self, model: Any):
-        self.fused = [m for m in model.modules() if getattr(m, "cpu_kernels", False)]
+        self.fused = [(m, flag) for m in model.modules() for flag in ("fused_on_cpu", "real_fft")
+                      if getattr(m, flag, False)]
 
     def __enter__(self) -> None:
-        for m in self.fused:
-            m.cpu_kernels = False
+        for m, flag in self.fused:
+            setattr(m, flag, False)
 
     def __exit__(self, *exc: Any) -> None:
-        for m in self.fused:
-            m.cpu_kernels = True
+        for m, flag in self.fused:
+            setattr(m, flag, True)
 
 
 def run_frames(model: Any, frames: int, warmup: int = 3) -> dict:
@@ -175,7 +176,7 @@ def run_frames(model: Any, frames: int, warmup: int = 3) -> dict:
             "audit": Audit.of({"frame": recorder.named()})}
 
 
-def compile_check(model: Any, frames: int = 20) -> dict:
+def compile_check(model: Any, frames: int = 20, backend: Any = "inductor") -> dict:
     """Compile ``model``'s frame step and check ``frames`` deterministic frames against the eager step:
     the same text and function ids and codes per frame. Returns the times (compile = the first frame,
     then ms per frame of both) and the verdict; a failure to compile leaves the model eager and says why."""
@@ -197,12 +198,15 @@ def compile_check(model: Any, frames: int = 20) -> dict:
 
     eager, _, eager_ms = stream()
     try:
-        model.compile_step()
+        model.compile_step(backend)
         compiled, first, compiled_ms = stream()
     except Exception as e:  # noqa: BLE001 - the report names it, and the model runs eager
         model.step_compiler = None
-        return {"ok": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                "eager_ms": eager_ms}
+        cause: BaseException = e  # the compiler wraps what failed in its own errors: name the innermost
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        return {"ok": False, "why": why if cause is e else f"{type(e).__name__} ({why})", "eager_ms": eager_ms}
     differ = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
     return {"ok": True, "first_s": first, "eager_ms": eager_ms, "compiled_ms": compiled_ms, "frames": len(compiled),
             "differ": differ}
@@ -221,8 +225,9 @@ def compile_lines(check: dict) -> list[str]:
 
 
 def report(device: str | None = None, model_path: str | None = None, frames: int = 50, seed: int = 0,
-           dtype: torch.dtype | None = None, compile: bool = False) -> str:
-    """The doctor's Markdown report (what ``python -m nvchat_torch.doctor`` prints)."""
+           dtype: torch.dtype | None = None, compile: Any = False) -> str:
+    """The doctor's Markdown report (what ``python -m nvchat_torch.doctor`` prints); ``compile``: also
+    compile the frame step and check it against eager (True: inductor; a backend name or callable)."""
     from . import load_model
     from .model import default_device
 
@@ -236,7 +241,7 @@ def report(device: str | None = None, model_path: str | None = None, frames: int
             model = load_model(path, device=target, dtype=dtype)
             cpu_fallbacks.attach(model)  # model.describe() lists them
             run = run_frames(model, frames)
-            check = compile_check(model) if compile else None
+            check = compile_check(model, backend="inductor" if compile is True else compile) if compile else None
     fell_back = sorted({str(w.message).splitlines()[0] for w in caught
                         if issubclass(w.category, RuntimeWarning) and not issubclass(w.category, CpuFallbackWarning)})
     fell_back += sorted({f"model: {m.fallback}" for m in model.modules()
@@ -278,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the generated model")
     p.add_argument("--dtype", choices=["faithful", "float32", "bfloat16"], default="faithful",
                    help="the mode load_model runs (default: faithful; bfloat16 is the fast mode)")
-    p.add_argument("--compile", action="store_true",
-                   help="then compile the frame step, check 20 frames against eager, and time both")
+    p.add_argument("--compile", nargs="?", const="inductor", default=False, choices=("inductor", "aot_eager", "eager"),
+                   help="then compile the frame step (default backend inductor), check 20 frames against eager, "
+                        "and time both")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for the generated model, whose tiny widths make every op "
                         "overhead-bound, so more threads only contend; torch's default with --model)")

@@ -166,7 +166,7 @@ class EngineSession:
         self._check_open("set_turn_taking")
         self._host.set_turn_taking(config)
         if self.slot is not None:
-            self.engine._frames.set_turn_taking(self.slot, self._host.options.turn_taking)
+            self.engine.frame_step.set_turn_taking(self.slot, self._host.options.turn_taking)
 
     def _check_open(self, call: str) -> None:
         if self.closed:

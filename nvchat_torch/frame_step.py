@@ -111,6 +111,7 @@ class _Flags:
     all_tts: bool  # every row runs the TTS (none at timeline position 0)
     round_keys: bool  # rows whose LLM keys are still rounded to bf16
     forcing: bool  # rows force ids (tool results, force_tokens)
+    in_place: bool  # the recurrent state is copied back into its buffers (compiled), not rebound (eager)
 
 
 @dataclass
@@ -414,7 +415,7 @@ class FrameStep:
                        turns=turns is not None, punctuating=turns is not None and turns.punctuating,
                        sampling=bool(samplers), mixed=mixed, all_tts=not static and bool(ints[RUNS_TTS].all()),
                        round_keys=self._rounds_keys if static else bool(ints[ROUNDS_KEYS].any()),
-                       forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()))
+                       forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()), in_place=static)
         # The Conformer ring: the first `length` slots while the running rows are aligned and filling (eager;
         # compiled, the whole ring, masked: a fixed shape).
         run = [int(ints[FRAME, r]) for r in inputs]  # the frames each running row has run
@@ -454,7 +455,7 @@ class FrameStep:
 
     def _device_step(self, step: _Step, stamps: list[float] | None) -> torch.Tensor:
         """The frame on the device: a function of the step's tensors and the caches, which it updates in
-        place (so a compiled step's buffers stay its own: what CUDA graphs replay). Returns the packed
+        place when compiled (so its buffers stay its own: what CUDA graphs replay). Returns the packed
         ``[batch, values]``. ``stamps``: the stage marks to append (eager and profiling only)."""
         cfg, batch, flags = self.config, self.batch, step.flags
 
@@ -513,10 +514,10 @@ class FrameStep:
             if before is not None:  # a row that sat out: as it was
                 keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
                 new = torch.where(keep, new, before)
-            if new is not buffer and new.dtype == buffer.dtype:  # in place: the step's buffers stay its own
-                buffer.copy_(new)
+            if flags.in_place and new is not buffer and new.dtype == buffer.dtype:
+                buffer.copy_(new)  # compiled: the step's buffers stay its own (what CUDA graphs replay)
                 _set(ref, buffer)
-            else:
+            else:  # eager: the new state is the cache's (no copy)
                 _set(ref, new)
         # One packed tensor for the whole batch: cat promotes the ids to the samples' float32 (a no-op
         # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.

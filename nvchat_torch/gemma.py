@@ -352,12 +352,12 @@ class FusedGemmaAttention(FusedQKV, GemmaAttention, FusedOnCpu):
         """On a float32 CPU model (``prepare()``): a streaming step's q/k norms, rotation and cache write
         as one fused kernel before the attention (row ``r`` of a step is row ``r`` of the cache, as the
         frame step and :meth:`GemmaBackbone.rows_at` number them)."""
-        self.cpu_kernels = self.qk_scale.dtype == torch.float32
+        self.fused_on_cpu = self.qk_scale.dtype == torch.float32
 
     def forward(self, x: torch.Tensor, batch: int, length: int, rope: tuple[torch.Tensor, ...],
                 cache: TTSCache | None, layer: int, mask: torch.Tensor | None,
                 rows: TTSRows | None = None) -> torch.Tensor:
-        if not (self.cpu_kernels and rows is not None and len(rope) == 1 and cpu_kernels.usable(x, rope[0])):
+        if not (self.fused_on_cpu and rows is not None and len(rope) == 1 and cpu_kernels.usable(x, rope[0])):
             return super().forward(x, batch, length, rope, cache, layer, mask, rows)
         slots = cache.row_slots(layer, rows)
         keys, values = cache.keys[layer], cache.values[layer]

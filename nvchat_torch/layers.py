@@ -108,10 +108,10 @@ class FusedOnCpu:
     :meth:`use_cpu_kernels` on a float32 CPU model, and the module then takes its fused op on the
     activations that op accepts (float32, contiguous CPU tensors), the composite code otherwise."""
 
-    cpu_kernels = False
+    fused_on_cpu = False
 
     def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = True
+        self.fused_on_cpu = True
 
 
 def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
@@ -153,7 +153,7 @@ def norm_linear(norm: nn.Module | None, x: torch.Tensor, projection: nn.Module, 
     float32 operands, one kernel (``nvchat_cpu.norm_linear``: the norm, the BLAS product torch's linear
     makes, the activation on the output in cache); otherwise those ops. ``weight``: the projection's
     ``[out, in]`` matrix where ``projection`` is not a linear (a kernel-1 conv's); its bias is used."""
-    if isinstance(norm, FusedNorm) and norm.cpu_kernels and cpu_kernels.blas():
+    if isinstance(norm, FusedNorm) and norm.fused_on_cpu and cpu_kernels.blas():
         # a packed or quantized projection has no float32 ``weight``: the composite ops
         w, bias = getattr(projection, "weight", None) if weight is None else weight, projection.bias
         if isinstance(w, torch.Tensor) and cpu_kernels.usable(x, w) and (bias is None or cpu_kernels.usable(bias)):
@@ -202,11 +202,11 @@ class Conv1d(nn.Conv1d, FusedOnCpu):
         if self.groups == c == self.out_channels:
             register_float32(self, "taps", self.weight.view(c, k))
             register_float32(self, "bias_f32", self.bias)
-            self.cpu_kernels = self.padding == (0,) and self.stride == (1,) and self.dilation == (1,)
+            self.fused_on_cpu = self.padding == (0,) and self.stride == (1,) and self.dilation == (1,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, k = self.in_channels, self.kernel_size[0]
-        if self.cpu_kernels and x.dim() == 3 and x.shape[-1] >= k and cpu_kernels.usable(x):
+        if self.fused_on_cpu and x.dim() == 3 and x.shape[-1] >= k and cpu_kernels.usable(x):
             return torch.ops.nvchat_cpu.depthwise_conv1d(x, self.taps, self.bias_f32)
         if self.groups == c == self.out_channels and x.shape[-1] == k and self.padding == (0,) \
                 and promoted(x, self.weight, self.bias) == torch.float32:
@@ -231,7 +231,7 @@ class LayerNorm(nn.LayerNorm, FusedNorm):
     def use_cpu_kernels(self) -> None:  # fused into the projection after it (norm_linear)
         register_float32(self, "weight_f32", self.weight)
         register_float32(self, "bias_f32", self.bias)
-        self.cpu_kernels = True
+        self.fused_on_cpu = True
 
     def norm_spec(self) -> tuple:
         return "layer", self.weight_f32, self.bias_f32, self.eps
@@ -242,10 +242,19 @@ class LayerNorm(nn.LayerNorm, FusedNorm):
                             self.eps)
 
 
-@functools.lru_cache(maxsize=None)
 def scalar(value: float, dtype: torch.dtype) -> float:
-    """``value`` as MLX uses it with an array of ``dtype``: rounded to that dtype (a host computation, once)."""
-    return torch.tensor(value, dtype=dtype).item() if dtype in REDUCED else value
+    """``value`` as MLX uses it with an array of ``dtype``: rounded to that dtype (a host computation, once;
+    under torch.compile a constant of the graph, computed when it is traced)."""
+    if dtype not in REDUCED:
+        return value
+    return _rounded(value, dtype) if torch.compiler.is_compiling() else _rounded_once(value, dtype)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return torch.tensor(value, dtype=dtype).item()
+
+
+_rounded_once = functools.lru_cache(maxsize=None)(_rounded)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -339,13 +348,13 @@ class RMSNorm(nn.Module, FusedNorm):
 
     def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
         register_float32(self, "weight_f32", self.weight)
-        self.cpu_kernels = True
+        self.fused_on_cpu = True
 
     def norm_spec(self) -> tuple:
         return "rms", self.weight_f32, None, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels and cpu_kernels.usable(x):  # float32 activations (a bf16 weight promotes exactly)
+        if self.fused_on_cpu and cpu_kernels.usable(x):  # float32 activations (a bf16 weight promotes exactly)
             return torch.ops.nvchat_cpu.rms_norm(x, self.weight_f32, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
@@ -394,18 +403,18 @@ class PrecomputedOffsetRMSNorm(OffsetRMSNorm, FusedNorm):
         return self.scale
 
     def use_cpu_kernels(self) -> None:  # one pass, not torch's CPU composite of 13 ops
-        self.cpu_kernels = self.scale.dtype == torch.float32
+        self.fused_on_cpu = self.scale.dtype == torch.float32
 
     def norm_spec(self) -> tuple:
         return "rms", self.scale, None, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels and cpu_kernels.usable(x):
+        if self.fused_on_cpu and cpu_kernels.usable(x):
             return torch.ops.nvchat_cpu.rms_norm(x, self.scale, self.eps)
         return super().forward(x)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels and cpu_kernels.usable(residual, x):  # one fused kernel
+        if self.fused_on_cpu and cpu_kernels.usable(residual, x):  # one fused kernel
             return torch.ops.nvchat_cpu.add_rms_norm(residual, x, self.scale, self.eps)
         return residual + self(x)
 

@@ -116,14 +116,16 @@ class LogMel(nn.Module, FusedOnCpu):
         self.register_buffer("filterbank", slaney_mel_filterbank(
             self.config.sample_rate, n_fft, self.features, device=device), persistent=False)
 
+    real_fft = False  # the STFT by torch's real FFT instead of the DFT matmul (a prepared float32 CPU model)
+
     def use_cpu_kernels(self) -> None:  # a float32 CPU model: the STFT by torch's real FFT, not the DFT matmul
-        self.cpu_kernels = True
+        self.real_fft = True
 
     # ---- shared math
 
     def _power(self, windows: torch.Tensor) -> torch.Tensor:
         """``|STFT|^2`` of unwindowed frames ``[..., n_fft]`` -> ``[..., bins]``."""
-        if self.cpu_kernels and windows.is_cpu:
+        if self.real_fft and windows.is_cpu:
             spectrum = torch.view_as_real(torch.fft.rfft(windows * self.window, dim=-1))
             return (spectrum * spectrum).sum(dim=-1)  # not .square(): pow dispatches a result_type
         spectrum = (windows @ self.dft_basis).unflatten(-1, (2, -1))

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
     from .engine import BatchEngine
     from .session import StreamingSession
 
-__all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "open_checkpoint", "default_device",
-           "default_dtype"]
+__all__ = ["DuplexSTTModel", "VoiceChatModel", "build_model", "load_model", "open_checkpoint", "default_device"]
 
 
 class VoiceChatModel(VoiceChatNetworks):
@@ -89,12 +88,6 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-def default_dtype(device: torch.device) -> torch.dtype | None:
-    """None on every device: weights as stored, float32 activations where the reference computes in
-    float32 and bf16 arithmetic where it does (the faithful mode; see docs/parity.md)."""
-    return None
 
 
 def build_model(config: VoiceChatConfig, device: torch.device | str = "meta",
@@ -254,7 +247,6 @@ def load_model(path_or_repo_id: str | os.PathLike, device: torch.device | str | 
     spec = quantize_spec(quantize)
     folder = resolve_checkpoint(path_or_repo_id)
     device = default_device() if device is None else torch.device(device)
-    dtype = default_dtype(device) if dtype is None else dtype
     check_dtype(dtype)
     ckpt, tokenizer_folder = open_checkpoint(folder, tokenizer, spec)
     with ckpt:

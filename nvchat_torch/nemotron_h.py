@@ -399,11 +399,11 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
         :class:`~nvchat_torch.layers.Conv1d` keeps (``prepare()`` gives it them too)."""
         for name, t in (("D_f32", self.D), ("dt_bias_f32", self.dt_bias), ("norm_weight_f32", self.norm.weight)):
             register_float32(self, name, t)
-        self.cpu_kernels = True
+        self.fused_on_cpu = True
 
     def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
         b, L, width = projected.shape
-        if not (self.cpu_kernels and cache is not None and L == 1 and cpu_kernels.usable(projected, cache.ssm_state)
+        if not (self.fused_on_cpu and cache is not None and L == 1 and cpu_kernels.usable(projected, cache.ssm_state)
                 and cache.conv_state.dtype == torch.float32):
             return super().mix(projected, cache, advance)
         if not cache.conv_state.is_contiguous():  # a batched prefill's state is a view of its window

@@ -63,7 +63,7 @@ class VoiceChatNetworks(nn.Module):
         self._tts_prompt: TTSPrompt | None = None
         self.source = "random weights"
         self.prepared = False
-        self.fused_cpu: str | None = "not prepared"  # None: the fused CPU kernels run (prepare)
+        self.fused_cpu_off: str | None = "not prepared"  # why the fused CPU kernels don't run (None: they do)
         self.step_compiler: StepCompiler | None = None  # compile_step(): the frame step runs compiled
 
     # ---- parts the sessions drive (not registered: their weights live in stt_model)
@@ -118,8 +118,8 @@ class VoiceChatNetworks(nn.Module):
             pack_int4(self, dtype=self.dtype, kernel=kernel)
         if fused_cpu is None:
             fused_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        self.fused_cpu = cpu_kernels.status() if fused_cpu else "not asked for"
-        if self.fused_cpu is None:
+        self.fused_cpu_off = cpu_kernels.status() if fused_cpu else "not asked for"
+        if self.fused_cpu_off is None:
             for module in self.modules():  # each module that has a fused step decides on its own tensors
                 if isinstance(module, FusedOnCpu):
                     module.use_cpu_kernels()
@@ -139,9 +139,10 @@ class VoiceChatNetworks(nn.Module):
             raise RuntimeError("compile_step: prepare() the model first (load_model does)")
         compiler = StepCompiler(self.device, backend, mode)
         for module in self.modules():
-            if isinstance(module, FusedOnCpu) or hasattr(module, "cpu_kernels"):
-                setattr(module, "cpu_kernels", False)
-        self.fused_cpu = "not used under compile_step (the compiled step fuses the composite code)"
+            for flag in ("fused_on_cpu", "real_fft"):  # the fused ops, and the log-mel's CPU-only real FFT
+                if getattr(module, flag, False):
+                    setattr(module, flag, False)
+        self.fused_cpu_off = "not used under compile_step (the compiled step fuses the composite code)"
         self.step_compiler = compiler
         return self
 
@@ -225,9 +226,9 @@ class VoiceChatNetworks(nn.Module):
         lines = [f"{self.source}: {len(t.hybrid_override_pattern)}-layer Nemotron-H (hidden {t.hidden_size}), "
                  f"{n / 1e6:.1f} M parameters ({model_bytes(self) / 1e9:.2f} GB as held), {mode}, on {self.device}"]
         lines += [f"  {key}: {count}" for key, count in sorted(paths.items())]
-        fused = sum(1 for m in self.modules() if getattr(m, "cpu_kernels", False))
-        lines.append(f"  fused CPU kernels: {fused} modules" if self.fused_cpu is None else
-                     f"  fused CPU kernels: not used ({self.fused_cpu})")
+        fused = sum(1 for m in self.modules() if getattr(m, "fused_on_cpu", False))
+        lines.append(f"  fused CPU kernels: {fused} modules" if self.fused_cpu_off is None else
+                     f"  fused CPU kernels: not used ({self.fused_cpu_off})")
         lines.append(f"  {self.step_compiler.describe()}" if self.step_compiler is not None else
                      "  frame step: eager (load_model(..., compile=True) compiles it)")
         # ops the MPS backend ran on the CPU, as diagnostics.CpuFallbackRecorder saw them

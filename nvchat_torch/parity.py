@@ -94,7 +94,7 @@ def run_ours(model_path: str, wave: np.ndarray, prompt: str | None, seed: int, d
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt=prompt, seed=seed,
                                                                  deterministic=True))
     trace = Trace()
-    frames = session._frames  # the session's one-row frame step
+    frames = session.frame_step  # the session's one-row frame step
     original = frames._language_step
 
     def language_step(*args):  # record both heads' logits (extra host reads: a diagnostic tool)

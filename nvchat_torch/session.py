@@ -153,6 +153,11 @@ class StreamingSession:
         return self._transcript.text
 
     @property
+    def frame_step(self) -> FrameStep | None:
+        """The one-row frame step this session runs its frames in (None: a row of an engine's step)."""
+        return self._frame_step
+
+    @property
     def timeline_index(self) -> int:
         """Timeline positions so far: the prompt's (prefilled) and one per frame."""
         return self._timeline.index + self.frame_index

@@ -416,10 +416,9 @@ def load_tiny_model(device: torch.device | str | None = None, dtype: torch.dtype
     Its outputs are noise, but every stage of the real pipeline runs, so it shows the API, the
     command line and the frame loop without a download. ``compile``: as :func:`~nvchat_torch.load_model`'s.
     """
-    from .model import check_dtype, compiled, default_device, default_dtype
+    from .model import check_dtype, compiled, default_device
 
     device = default_device() if device is None else torch.device(device)
-    dtype = default_dtype(device) if dtype is None else dtype
     check_dtype(dtype)
     model = random_model(preset, seed).to(device=device, dtype=dtype)  # made on the CPU: same weights anywhere
     model.set_activation_dtype(dtype or torch.float32)

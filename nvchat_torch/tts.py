@@ -272,11 +272,11 @@ class FusedEarTTS(EarTTS, FusedOnCpu):
         return self.rvq_float[:, :-1], self.rvq_sq_norms
 
     def use_cpu_kernels(self) -> None:  # fused on a CPU: a draw's assignment as one kernel
-        self.cpu_kernels = cpu_kernels.blas() and cpu_kernels.usable(self.rvq_float, self.rvq_sq_norms)
+        self.fused_on_cpu = cpu_kernels.blas() and cpu_kernels.usable(self.rvq_float, self.rvq_sq_norms)
 
     def assign(self, residual: torch.Tensor, start: int, count: int, decided: torch.Tensor | None,
                accumulate: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        if not (self.cpu_kernels and cpu_kernels.usable(residual) and (decided is None or cpu_kernels.usable(decided))):
+        if not (self.fused_on_cpu and cpu_kernels.usable(residual) and (decided is None or cpu_kernels.usable(decided))):
             return super().assign(residual, start, count, decided, accumulate)
         index, total = torch.ops.nvchat_cpu.rvq_assign(residual, self.rvq_float, self.rvq_sq_norms, decided,
                                                        start, count)

@@ -83,7 +83,7 @@ def test_a_conformer_layer_off_the_fused_op_reads_the_same_distances(ckpt_q4):
     columns); a layer that takes the composite code gathers the same distances itself."""
     model = nv.load_model(ckpt_q4)
     encoder = model.stt_model.perception.encoder
-    assert encoder.cpu_kernels and all(layer.self_attn.cpu_kernels for layer in encoder.layers)
+    assert encoder.fused_on_cpu and all(layer.self_attn.fused_on_cpu for layer in encoder.layers)
     g = torch.Generator().manual_seed(2)
     mels = [torch.randn(3, encoder.subsampling, encoder.config.feat_in, generator=g) for _ in range(4)]
 
@@ -94,12 +94,12 @@ def test_a_conformer_layer_off_the_fused_op_reads_the_same_distances(ckpt_q4):
 
     fused = run()
     for layer in encoder.layers:
-        layer.self_attn.cpu_kernels = False
+        layer.self_attn.fused_on_cpu = False
     try:
         torch.testing.assert_close(run(), fused, rtol=1e-5, atol=1e-5)
     finally:
         for layer in encoder.layers:
-            layer.self_attn.cpu_kernels = True
+            layer.self_attn.fused_on_cpu = True
 
 
 def test_the_fused_exact_gelu_keeps_float32_precision_on_both_tails():
@@ -150,7 +150,7 @@ def test_the_fused_step_gives_what_the_composite_code_gives(deep_q4, determinist
     rounding; the fused frame launches far fewer kernels."""
     fused = nv.load_model(deep_q4, device="cpu")
     composite = nv.load_model(deep_q4, device="cpu", prepare=False).prepare(fused_cpu=False)
-    assert fused.fused_cpu is None and composite.fused_cpu == "not asked for"
+    assert fused.fused_cpu_off is None and composite.fused_cpu_off == "not asked for"
     assert "fused CPU kernels: not used (not asked for)" in composite.describe()
     wave = synth_audio(2.4)
     ours, fused_ops = frames_of(fused, wave, deterministic)
@@ -209,8 +209,8 @@ def test_without_the_kernels_a_model_runs_within_the_old_budget_and_says_why(dee
 def test_the_fast_mode_and_other_devices_keep_the_composite_code(ckpt_q4):
     """bf16 activations: torch's own ops (the kernels take float32 CPU tensors only)."""
     model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.bfloat16)
-    assert model.fused_cpu == "not asked for"
-    assert not any(getattr(m, "cpu_kernels", False) for m in model.modules())
+    assert model.fused_cpu_off == "not asked for"
+    assert not any(getattr(m, "fused_on_cpu", False) for m in model.modules())
     assert not cpu_kernels.usable(torch.zeros(2, dtype=torch.bfloat16)) and cpu_kernels.usable(torch.zeros(2))
     assert not cpu_kernels.usable(torch.zeros(4, 4).t())  # a transposed view: not contiguous
 

@@ -18,6 +18,7 @@ from mlx_oracle import Reference, full_size_manifest, to_np
 from nvchat_torch.checkpoint import Checkpoint, cast
 from nvchat_torch.config import QuantSpec, TextConfig, VoiceChatConfig
 from nvchat_torch.language_heads import fuse_heads, fused_input, language_heads
+from nvchat_torch.layers import KV_BLOCK
 from nvchat_torch.nemotron_h import KVCache, LanguageRows, MambaCache, NemotronHAttention, NemotronHModel
 from nvchat_torch.quant import quantize_modules
 
@@ -39,9 +40,14 @@ class Language(nn.Module):
         self.function_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
-def at(model, position: int, batch: int = 1) -> LanguageRows:
-    """``batch`` rows at ``position``: a streaming step's placement."""
-    return LanguageRows.make(torch.full((batch,), position), position + 1)
+def at(model, position: int, batch: int = 1, cache=None) -> LanguageRows:
+    """``batch`` rows at ``position``: a streaming step's placement, with room for it reserved in ``cache``
+    (the frame step does that before each step; a new cache holds one 256-slot block)."""
+    capacity = KV_BLOCK
+    if cache is not None:
+        cache.reserve(position + 1)
+        capacity = cache.capacity
+    return LanguageRows.make(torch.full((batch,), position), capacity)
 
 def _strip(key: str) -> str:
     return key[len("stt_model."):]
@@ -174,7 +180,7 @@ def test_step_run_equals_offline_and_prefill_past_a_kv_block(ckpt_f32):
         steps = torch.cat([model.llm(x[:, t:t + 1], cache) for t in range(x.shape[1])], 1)
         # the streaming step (one row at its position, as a session's frame runs it)
         rows_cache = model.llm.new_cache(dtype=torch.float32)
-        streamed = torch.cat([model.llm.forward_step(x[:, t:t + 1], rows_cache, at(model, t))
+        streamed = torch.cat([model.llm.forward_step(x[:, t:t + 1], rows_cache, at(model, t, cache=rows_cache))
                               for t in range(x.shape[1])], 1)
         prefill_cache = model.llm.new_cache()
         prefill = torch.cat([model.llm(x[:, :100], prefill_cache), model.llm(x[:, 100:], prefill_cache)], 1)
