@@ -85,8 +85,12 @@ async def run_ga(address: str, pcm: np.ndarray | list[bytes], session: dict, bef
                 return events
 
 
-def reference(model, pcm: np.ndarray, **options):
+def reference(model, pcm: np.ndarray, bos: bool = False, **options):
+    """What a deterministic StreamingSession emits for ``pcm``; ``bos``: the agent's BOS forced on the
+    first frame, as a response.create before the audio asks for it."""
     session = model.create_streaming_session(nv.StreamingOptions(deterministic=True, **options))
+    if bos:
+        session.force_tokens("text", [model.config.bos_token_id])
     events = session.push_audio(pcm.astype(np.float32) / 32768.0, 16000) + session.flush(pad_partial=True)
     return session, events
 
@@ -267,7 +271,9 @@ def test_every_valid_ga_event_and_value_is_taken(model):
                                                             "content": [{"type": "input_text", "text": "Be brief."}]}},
               # a framework replaying its context's tool result before the audio: history, not heard
               {"type": "conversation.item.create", "item": {"type": "function_call_output", "id": "item_result",
-                                                            "call_id": "call_old", "output": '{"ok": true}'}}]
+                                                            "call_id": "call_old", "output": '{"ok": true}'}},
+              # the agent's turn asked for before the audio: its BOS on the first frame
+              {"type": "response.create", "response": {"output_modalities": ["audio"], "conversation": "auto"}}]
     transcription = {"type": "transcription", "include": ["item.input_audio_transcription.logprobs"],
                      "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe", "language": "en"},
                                          "noise_reduction": {"type": "far_field"},
@@ -292,7 +298,6 @@ def test_every_valid_ga_event_and_value_is_taken(model):
               {"type": "conversation.item.retrieve", "item_id": "item_hello"},
               {"type": "conversation.item.truncate", "item_id": "item_late", "content_index": 0, "audio_end_ms": 0},
               {"type": "conversation.item.delete", "item_id": "item_late"},
-              {"type": "response.create", "response": {"output_modalities": ["audio"]}},
               {"type": "response.cancel"}, {"type": "output_audio_buffer.clear"}]
     with serve(model, clock=0) as (address, _):
         events = asyncio.run(run_ga(address, pcm, values, before, during))
@@ -329,9 +334,9 @@ def test_every_valid_ga_event_and_value_is_taken(model):
     assert "output_audio_buffer.cleared" in kinds
     # what the model heard: the prompt with the messages created before the audio, one line each
     prompt = "\n".join(p for p in (model.config.default_system_prompt, "User: Hello there", "Be brief.") if p)
-    ref_session, ref = reference(model, pcm, system_prompt=prompt)
+    ref_session, ref = reference(model, pcm, bos=True, system_prompt=prompt)
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
-    raw, _ = reference(model, pcm)
+    raw, _ = reference(model, pcm, bos=True)
     assert ref_session.text.startswith(text) and text and not raw.text.startswith(text)
 
 

@@ -36,7 +36,7 @@ from .scheduler import FrameScheduler, Output
 from .security import OriginPolicy, keys_equal
 from .ga_schema import show
 from .session_config import (FIXED_AFTER_START, ClientError, SessionConfig, decode_audio, format_json, ga_update,
-                             is_mlx_update, mlx_update, turn_taking_config, turn_taking_json)
+                             is_mlx_update, mlx_update, not_applied, turn_taking_config, turn_taking_json)
 
 __all__ = ["create_app", "listen_socket", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS"]
@@ -47,6 +47,7 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger client message is answered with 
 WS_MAX_BYTES = 64 * 1024 * 1024  # the transport's own limit, above ours so that oversize messages get an answer
 MAX_BUFFERED_SECONDS = 30.0  # input audio received and not yet run, per session; more is refused
 MAX_UNSENT_SECONDS = 3.0  # a client whose oldest unsent event is older than this is not reading: closed
+MAX_STEP_FRACTION = 0.9  # a median step this near the frame (72 of 80 ms) refuses new sessions; 0: never
 CLOSE_TOO_SLOW = 1008  # policy violation: the client does not read what it asked for
 CLOSE_WAIT_SECONDS = 10.0  # how long a too-slow client's close frame waits for it to read
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -99,7 +100,7 @@ class RealtimeServer:
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                  max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS,
-                 turn_taking: Any = True):
+                 turn_taking: Any = True, max_step_fraction: float = MAX_STEP_FRACTION):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         for name, value in (("max_buffered_seconds", max_buffered_seconds), ("max_unsent_seconds", max_unsent_seconds)):
@@ -112,6 +113,8 @@ class RealtimeServer:
         self.max_message_bytes = max_message_bytes
         self.max_buffered_samples = round(max_buffered_seconds * model.config.input_sample_rate)
         self.max_unsent_seconds = max_unsent_seconds
+        # Full also when the step nears the frame: another session would put every caller behind real time.
+        self.max_step_s = max_step_fraction * model.config.frame_duration
         # NVIDIA's turn-taking policy for GA sessions (True: its stock values; False/None: the raw model)
         self.turn_taking = turn_taking if not isinstance(turn_taking, bool) else turn_taking_config(turn_taking)
         # Outputs (one per frame, mostly) a connection may hold unsent, whatever their age: memory stays bounded.
@@ -120,12 +123,18 @@ class RealtimeServer:
         self._lock = threading.Lock()
         self.active = 0
 
-    def try_reserve(self) -> bool:
+    def try_reserve(self) -> str | None:
+        """Take a session slot; or why the server is full (and no slot is taken)."""
         with self._lock:
             if self.active >= self.max_sessions:
-                return False
+                return f"all {self.max_sessions} sessions are in use; try again later"
+            step = self.scheduler.median_step_s()
+            if self.active and self.max_step_s and step >= self.max_step_s:
+                return (f"the server is at its real-time limit: its median step of {step * 1000:.0f} ms with "
+                        f"{self.active} sessions is near the {self.model.config.frame_duration * 1000:.0f} ms "
+                        "frame; try again later")
             self.active += 1
-            return True
+            return None
 
     def release(self) -> None:
         with self._lock:
@@ -145,24 +154,29 @@ class RealtimeServer:
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "device": str(self.model.device),
                 "dtype": str(self.model.dtype).replace("torch.", ""), "active_sessions": self.active,
-                "max_sessions": self.max_sessions}
+                "max_sessions": self.max_sessions, "median_step_ms": round(self.scheduler.median_step_s() * 1000, 1),
+                "max_step_ms": round(self.max_step_s * 1000, 1)}
 
 
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
                max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
-               max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True) -> FastAPI:
+               max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True,
+               max_step_fraction: float = MAX_STEP_FRACTION) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
     sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
     Browser pages of other origins than the server's own are refused unless in ``allow_origins``
     (:mod:`~nvchat_torch.server.security`); a session buffers at most ``max_buffered_seconds`` of
     input not yet run, and a client that leaves events unread for ``max_unsent_seconds`` is closed.
     ``turn_taking``: the policy GA sessions get unless they say otherwise (``nvchat.turn_taking``):
-    True is NVIDIA's (docs/turn_taking.md), False the raw model, or a ``TurnTakingConfig``."""
+    True is NVIDIA's (docs/turn_taking.md), False the raw model, or a ``TurnTakingConfig``. The server
+    is full at ``max_sessions``, or while its median step is ``max_step_fraction`` of the frame or more:
+    a WebSocket upgrade is then refused with HTTP 503 and a JSON reason."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
                             max_message_bytes=max_message_bytes, clock=clock,
                             max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds,
-                            turn_taking=turn_taking)
+                            turn_taking=turn_taking, max_step_fraction=max_step_fraction)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -194,13 +208,22 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
             else:
                 await ws.close(code=1008)
             return
-        await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
-        if not server.try_reserve():
-            await ws.send_text(json.dumps({"type": "error", "event_id": new_id("event"), "error": {
-                "type": "server_error", "code": "server_busy", "param": None, "event_id": None,
-                "message": f"all {server.max_sessions} sessions are in use; try again later"}}))
-            await ws.close(code=1013)
+        full = server.try_reserve()
+        if full is not None:  # refused before the upgrade: no session is created, accepted or closed
+            body = {"type": "error", "event_id": new_id("event"), "error": {
+                "type": "server_error", "code": "server_busy", "param": None, "event_id": None, "message": full}}
+            if "websocket.http.response" in ws.scope.get("extensions", {}):
+                await ws.send_denial_response(JSONResponse(body, status_code=503, headers={"Retry-After": "1"}))
+            else:  # a server without the denial extension: the GA error, then the close
+                await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+                await ws.send_text(json.dumps(body))
+                await ws.close(code=1013)
             return
+        try:
+            await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+        except BaseException:
+            server.release()
+            raise
         connection = Connection(server, ws)
         try:
             await connection.run()
@@ -233,7 +256,7 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
         self.send_lock = asyncio.Lock()
         self.session_id = new_id("sess")
         self.dialect: str | None = None  # "ga" or "mlx", fixed by the first session.update or append
-        self.config = SessionConfig(turn_taking=server.turn_taking)
+        self.config = SessionConfig(turn_taking=server.turn_taking, base_turn_taking=server.turn_taking)
         self._init_items()
         self.handle: int | None = None
         self.in_resampler: StreamResampler | None = None
@@ -416,14 +439,15 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
         cfg = self.config
         # What is in effect: the model always speaks, decides itself when to call a tool, and its RNNT
         # head transcribes; turns are NVIDIA's policy (nvchat.turn_taking) or the model's own.
-        detection = cfg.accepted.get("audio.input.turn_detection") or {
-            "type": "server_vad", "create_response": True, "interrupt_response": True}
+        detection = cfg.accepted.get("audio.input.turn_detection", ...)
+        if detection is ... or cfg.turn_taking_given:
+            detection = {"type": "server_vad", "create_response": True, "interrupt_response": True}
         return {"type": "realtime", "object": "realtime.session", "id": self.session_id,
                 "model": self.server.model_name,
                 "instructions": self.default_instructions if cfg.instructions is None else cfg.instructions,
                 "output_modalities": ["audio"],
                 "audio": {"input": {"format": format_json(cfg.input_format, cfg.input_rate),
-                                    "turn_detection": detection if cfg.turn_taking is not None else None,
+                                    "turn_detection": detection or None if cfg.turn_taking is not None else None,
                                     "transcription": {"model": "nvchat-rnnt"}},
                           "output": {"format": format_json(cfg.output_format, cfg.output_rate),
                                      "voice": self.server.model.config.speaker}},
@@ -435,7 +459,7 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                            "max_buffered_seconds": self.server.max_buffered_samples / self.model_rate,
                            "max_unsent_seconds": self.server.max_unsent_seconds,
                            # GA keys taken but not acted on (the model has one voice, no VAD, ...)
-                           "not_applied": sorted(cfg.accepted),
+                           "not_applied": not_applied(cfg),
                            "started": self.handle is not None}}
 
     async def _ga_update(self, session: dict) -> None:

@@ -24,6 +24,7 @@ from .session_config import ClientError
 __all__ = ["ItemEvents", "MAX_ITEMS", "render_message"]
 
 MAX_ITEMS = 1024  # items kept for retrieve/truncate/delete per connection; the oldest are forgotten
+MAX_SPOKEN = 64  # assistant items whose transcript can be cut at a playback position (the latest ones)
 MESSAGE_ROLES = ("user", "assistant", "system")
 TEXT_PARTS = ("input_text", "output_text", "text")
 OTHER_PARTS = ("input_audio", "output_audio", "audio", "input_image")
@@ -111,6 +112,16 @@ class ItemEvents:
 
     def _init_items(self) -> None:
         self.items: OrderedDict[str, dict] = OrderedDict()
+        # Per assistant item, how much of its transcript had been said at each audio delta's end:
+        # [(audio_ms, transcript characters)], so a truncation cuts the transcript where playback stopped.
+        self.spoken: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+
+    def _spoken(self, item_id: str, audio_ms: int, chars: int) -> None:
+        marks = self.spoken.setdefault(item_id, [])
+        marks.append((audio_ms, chars))
+        self.spoken.move_to_end(item_id)
+        while len(self.spoken) > MAX_SPOKEN:
+            self.spoken.popitem(last=False)
 
     async def _item_added(self, item: dict, previous_item_id: Any = ...) -> None:
         """Record ``item`` (a GA item with ``id``) and send ``conversation.item.added``."""
@@ -164,7 +175,8 @@ class ItemEvents:
         # GA's MCP items have no status; the others are complete as the client gives them
         item = {**item, "object": "realtime.item"} if item["type"] in MCP_ITEMS else \
             {**item, "object": "realtime.item", "status": "completed"}
-        await self._item_added(item, previous if "previous_item_id" in event else ...)
+        # GA's "root" (the start of the conversation) is answered as GA does: null
+        await self._item_added(item, (None if previous == "root" else previous) if "previous_item_id" in event else ...)
         await self._item_done(item)
         if notice is not None:
             await self.send({"type": "nvchat.notice", "code": notice[0], "item_id": item["id"], "message": notice[1]})
@@ -182,8 +194,14 @@ class ItemEvents:
         item = self._find_item(event, "item_truncate_invalid_item_id")
         content_index = _nonneg_int(event, "content_index")
         audio_end_ms = _nonneg_int(event, "audio_end_ms")
-        # The model's context is its own timeline: what it said stays there. The item records where
-        # the client stopped playing it.
+        # The model's context is its own timeline: what it said stays there. The item's transcript is cut
+        # where the client's playback stopped (what had been said by the end of the last delta played).
+        marks = self.spoken.get(item["id"])
+        if marks is not None and item.get("role") == "assistant":
+            said = max([chars for ms, chars in marks if ms <= audio_end_ms], default=0)
+            content = [{**part, "transcript": part["transcript"][:said]} if part.get("type") == "output_audio"
+                       else part for part in item.get("content") or []]
+            item = {**item, "content": content}
         self.items[item["id"]] = {**item, "nvchat_audio_end_ms": audio_end_ms}
         await self.send({"type": "conversation.item.truncated", "item_id": item["id"], "content_index": content_index,
                          "audio_end_ms": audio_end_ms})

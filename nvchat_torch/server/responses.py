@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -216,6 +217,8 @@ class ResponseEvents:
     async def _send_audio(self, samples: np.ndarray) -> None:
         if len(samples) and self.response is not None and not self.response["waiting"]:
             r = self.response
+            r["audio_ms"] += len(samples) * 1000 / self.config.output_rate
+            self._spoken(r["item_id"], math.floor(r["audio_ms"]), len(r["transcript"]))
             await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
                              "output_index": 0, "content_index": 0,
                              "delta": base64.b64encode(encode_audio(samples, self.config.output_format)).decode()})
@@ -242,7 +245,7 @@ class ResponseEvents:
         """Open a response: the agent takes the turn, or (``waiting``, a ``response.create``'s) will on
         the frame with its BOS; nothing of the frames before that is sent."""
         self.response = r = {"id": new_id("resp"), "item_id": new_id("item"), "transcript": "", "spoke": False,
-                             "calls": [], "metadata": metadata, "waiting": waiting}
+                             "calls": [], "metadata": metadata, "waiting": waiting, "audio_ms": 0.0}
         await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
         item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}

@@ -71,6 +71,7 @@ class FrameScheduler:
         self._closing: list[_Slot] = []  # closed by their connection: released on the worker thread
         self._next = 0
         self._stop = False
+        self._steps: deque[tuple[float, float]] = deque(maxlen=25)  # (when, wall time) of recent steps
         self._thread = threading.Thread(target=self._run, name="nvchat-frames", daemon=True)
         self._thread.start()
 
@@ -146,6 +147,13 @@ class FrameScheduler:
     def active(self) -> int:
         with self._cond:
             return len(self._slots)
+
+    def median_step_s(self, recent: float = 2.0) -> float:
+        """The median wall time of the steps run in the last ``recent`` seconds (0 when none ran): how
+        near the server is to falling behind real time with the sessions it has."""
+        since = time.perf_counter() - recent
+        times = sorted(t for when, t in list(self._steps) if when >= since)
+        return times[len(times) // 2] if times else 0.0
 
     def stop(self) -> None:
         with self._cond:
@@ -305,6 +313,7 @@ class FrameScheduler:
                     self._fail(slot, e)
             return
         compute_s = time.perf_counter() - start
+        self._steps.append((start, compute_s))
         for slot in slots:
             if slot.session is not None and slot.session.failure is not None:  # it alone failed
                 self._fail(slot, slot.session.failure)

@@ -18,7 +18,7 @@ from ..events import StreamingOptions
 from .ga_schema import PASS_THROUGH, UnknownKey, check, show
 
 __all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
-           "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "mlx_update", "is_mlx_update", "format_json", "decode_audio",
+           "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "turn_detection_policy", "not_applied", "mlx_update", "is_mlx_update", "format_json", "decode_audio",
            "encode_audio"]
 
 INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
@@ -74,6 +74,8 @@ class SessionConfig:
     tool_choice: Any = "auto"
     accepted: dict = dataclasses.field(default_factory=dict)  # GA keys taken as given (not acted on)
     turn_taking: Any = None  # a TurnTakingConfig (NVIDIA's policy) or None (the raw model)
+    base_turn_taking: Any = None  # the server's policy, which the client's GA turn_detection adjusts
+    turn_taking_given: bool = False  # nvchat.turn_taking was sent: it wins over turn_detection
     listening_audio: bool = False  # send the audio of frames where the model only listens
     messages: list = dataclasses.field(default_factory=list)  # message items created before the start, rendered
 
@@ -175,6 +177,35 @@ def turn_taking_config(value: Any, where: str = "session.nvchat.turn_taking") ->
         raise ClientError("invalid_value", f"session.nvchat.{e}", where) from None
 
 
+NEVER = 2 ** 31 - 1  # frames: a policy rule that never acts
+# semantic_vad's eagerness as a factor on the end-of-utterance silence (low waits longer, high less)
+EAGERNESS = {"low": 2.0, "medium": 1.0, "auto": 1.0, "high": 0.5}
+# GA turn_detection fields the policy has no counterpart for (NVIDIA's RNNT replaces the VAD)
+DETECTION_NOT_APPLIED = ("threshold", "prefix_padding_ms", "idle_timeout_ms")
+
+
+def turn_detection_policy(detection: Any, base: Any, frame_ms: float = 80.0) -> Any:
+    """The client's GA ``audio.input.turn_detection`` mapped onto the server's policy ``base`` (None:
+    the raw model, which stays so). Fields not sent keep ``base``'s values (docs/server.md, "Turns"):
+    ``silence_duration_ms`` -> ``eou_frames``; ``eagerness`` scales ``eou_frames``; ``create_response:
+    false`` -> no end of utterance or first-turn fallback gives the agent the turn; ``interrupt_response:
+    false`` -> no barge-in; null (or pipecat's false) -> manual turns, both."""
+    if base is None:
+        return None
+    if not detection:
+        return dataclasses.replace(base, eou_frames=NEVER, first_turn_fallback_frames=NEVER, barge_in_frames=NEVER)
+    changes: dict[str, int] = {}
+    if detection["type"] == "server_vad" and "silence_duration_ms" in detection:
+        changes["eou_frames"] = max(1, round(detection["silence_duration_ms"] / frame_ms))
+    if detection["type"] == "semantic_vad":
+        changes["eou_frames"] = max(1, round(base.eou_frames * EAGERNESS[detection.get("eagerness", "auto")]))
+    if detection.get("create_response") is False:
+        changes.update(eou_frames=NEVER, first_turn_fallback_frames=NEVER)
+    if detection.get("interrupt_response") is False:
+        changes["barge_in_frames"] = NEVER
+    return dataclasses.replace(base, **changes)
+
+
 def turn_taking_json(config: Any) -> Any:
     """The policy in effect as session.updated shows it: false, or its fields."""
     return False if config is None else config.to_dict()
@@ -190,6 +221,7 @@ def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
             raise ClientError("invalid_value", f"{where}.{key} has the wrong type: {show(value)}", f"{where}.{key}")
         if key == "turn_taking":
             cfg.turn_taking = turn_taking_config(value, f"{where}.turn_taking")
+            cfg.turn_taking_given = True
             continue
         try:
             StreamingOptions.check(key, value)
@@ -278,7 +310,20 @@ def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> 
     for key, in_effect in (("output_modalities", ["audio"]), ("tool_choice", "auto")):
         if cfg.accepted.get(key, in_effect) == in_effect:
             cfg.accepted.pop(key, None)
+    if "audio.input.turn_detection" in cfg.accepted and not cfg.turn_taking_given:
+        cfg.turn_taking = turn_detection_policy(cfg.accepted["audio.input.turn_detection"], cfg.base_turn_taking)
     return cfg
+
+
+def not_applied(cfg: SessionConfig) -> list[str]:
+    """The GA keys given and not acted on, for ``session.updated``'s ``nvchat.not_applied``: the client's
+    turn_detection is applied (but for the VAD's own fields) unless ``nvchat.turn_taking`` wins."""
+    keys = set(cfg.accepted)
+    detection = cfg.accepted.get("audio.input.turn_detection")
+    if "audio.input.turn_detection" in keys and not cfg.turn_taking_given and cfg.base_turn_taking is not None:
+        keys.discard("audio.input.turn_detection")
+        keys |= {f"audio.input.turn_detection.{k}" for k in DETECTION_NOT_APPLIED if k in (detection or {})}
+    return sorted(keys)
 
 
 def mlx_update(config: SessionConfig, session: Any, *, input_rate: int, output_rate: int) -> SessionConfig:
