@@ -218,12 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint folder (default: generated --preset, 4-bit)")
     p.add_argument("--preset", default="deep", choices=("tiny", "deep"))
     p.add_argument("--max-sessions", type=int, default=None, help="of the in-process server (default: --clients)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the in-process server")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of the in-process server (default: the server's, half of torch's)")
+    p.add_argument("--max-step-fraction", type=float, default=0.9,
+                   help="the in-process server refuses sessions (HTTP 503) while its median step is this "
+                        "fraction of the frame or more (0: never, to measure an overloaded server)")
     p.add_argument("--timeout", type=float, default=600.0, help="overall limit, seconds; clients past it stop")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from nvchat_torch.server.__main__ import default_threads
+
+    torch.set_num_threads(args.threads or default_threads())
     in_process = not args.url
     with contextlib.ExitStack() as stack:
         if args.url:
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
             model = nv.load_model(path, device="cpu")
-            app = create_app(model, max_sessions=args.max_sessions or args.clients)
+            app = create_app(model, max_sessions=args.max_sessions or args.clients,
+                             max_step_fraction=args.max_step_fraction)
             url = f"ws://{stack.enter_context(serve_in_thread(app))}/v1/realtime"
             pid, model_name = None, model.describe()
         rows, process = asyncio.run(run_clients(url, args, pid))

@@ -14,7 +14,7 @@ import sys
 from ..stream import DTYPES, add_compile_argument
 from .security import is_loopback, normalize_origin
 
-__all__ = ["main", "is_loopback"]
+__all__ = ["main", "is_loopback", "default_threads"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,14 +39,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-buffer-seconds", type=float, default=None,
                    help="input audio a session may queue beyond what has run (default 30 s); more is refused")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the model (default: torch's); on a small CPU, 1 can be much "
-                        "faster: the steps' many small ops contend with the server's own threads (docs/server.md)")
+                   help="torch CPU threads for the model (default: half of torch's default, at least 1: the "
+                        "steps' many small ops contend with the server's own threads; on 2 cores one thread "
+                        "steps 2-3x faster than two, docs/server.md)")
     p.add_argument("--turn-taking", default="on", choices=("on", "off"),
                    help="NVIDIA's turn-taking policy for GA sessions (on: its stock values, docs/turn_taking.md; "
                         "off: the raw model decides alone); a session may choose otherwise with nvchat.turn_taking")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_compile_argument(p)
     return p
+
+
+def default_threads() -> int:
+    """The server's torch threads unless ``--threads`` says otherwise: half of torch's default (its
+    cores), at least one. The worker's per-frame steps are thousands of small ops whose fork/join
+    contends with the event loop and the connections for the same cores (docs/server.md, "Under load")."""
+    import torch
+
+    return max(1, torch.get_num_threads() // 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(args.host):
         print(f"warning: binding {args.host} exposes the server beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it can use it (--insecure)"), file=sys.stderr)
-    if args.threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(default_threads() if args.threads is None else args.threads)
     try:
         model = load_from_args(args)
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
