@@ -135,7 +135,11 @@ class FrameTiming:
 
     @classmethod
     def from_stamps(cls, frame_index: int, stamps: Sequence[float]) -> "FrameTiming":
-        """From the six ``time.perf_counter()`` marks of a profiled step (start, then after each stage)."""
+        """From the six ``time.perf_counter()`` marks of a profiled step (start, then after each stage), or
+        the two of a compiled step (start and end: one graph has no stage marks, so its stages read 0
+        and the whole frame is in ``total_ms``)."""
+        if len(stamps) == 2:
+            return cls(frame_index, 0.0, 0.0, 0.0, 0.0, 0.0, (stamps[1] - stamps[0]) * 1000.0)
         perception, rnnt, language, tts, codec = np.diff(stamps) * 1000.0
         return cls(frame_index, perception, rnnt, language, tts, codec, (stamps[-1] - stamps[0]) * 1000.0)
 

@@ -59,6 +59,17 @@ def _get(ref: _Ref) -> torch.Tensor:
     return holder[key] if isinstance(key, int) else getattr(holder, key)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a fresh tensor of its shape. A prefill leaves the Mamba conv state a view
+    of its window, whose strides depend on the prompt's length even where its batch of 1 makes it
+    "contiguous"; a compiled step guards on strides, so a new session would compile again."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.insert(0, step)
+        step *= size
+    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
+
+
 def _set(ref: _Ref, value: torch.Tensor) -> None:
     holder, key = ref
     if isinstance(key, int):
@@ -272,7 +283,7 @@ class FrameStep:
             for mine, theirs in zip(self._language.layers, language.layers):
                 for name in _STATE_NAMES.get(type(mine), ()):
                     if getattr(theirs, name).dtype == getattr(mine, name).dtype:
-                        setattr(mine, name, getattr(theirs, name))
+                        setattr(mine, name, _dense(getattr(theirs, name)))
         tts = timeline.tts_cache
         for buffers, theirs in ((self._tts.keys, tts.keys), (self._tts.values, tts.values)):
             for layer, t in enumerate(theirs):

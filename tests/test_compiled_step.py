@@ -53,8 +53,8 @@ def test_the_step_is_one_graph_with_no_break_and_compiles_once_over_a_long_sessi
     backend = CountingBackend()
     model = nv.load_tiny_model(compile=backend)
     assert "compiled whole (torch.compile, counting" in model.describe()
-    session = model.create_streaming_session(system_prompt="hi", deterministic=True)
-    step = session._frame_step
+    session = model.create_streaming_session(system_prompt="hi", deterministic=True, profile=True)
+    step = session.frame_step
     wave = (np.random.default_rng(0).standard_normal(2000 * FRAME) * 0.1).astype(np.float32)
     session.push_audio(wave[:FRAME], 16000)  # the warm-up frame compiles the step
     assert backend.batches == [1] and not counters["graph_break"]
@@ -72,6 +72,13 @@ def test_the_step_is_one_graph_with_no_break_and_compiles_once_over_a_long_sessi
     assert len({c[0] for c in capacities}) >= 3 and len({c[1] for c in capacities}) >= 3, capacities
     assert backend.batches == [1] and not counters["graph_break"]
     assert reads == [1] * 4 and session.frame_index == 2000
+    # One graph has no stage marks: a compiled frame's profile is its total.
+    timing = session.profile.frames[-1]
+    assert timing.total_ms > 0 and timing.perception_ms == timing.tts_ms == 0
+    # A new session with another prompt (other positions, another prefill's state layout): the same graph.
+    other = model.create_streaming_session(system_prompt="a longer prompt than the first one", deterministic=True)
+    other.push_audio(wave[:2 * FRAME], 16000)
+    assert backend.batches == [1]
 
 
 def test_engine_rows_joining_and_leaving_stay_within_the_power_of_two_graphs(ckpt_f32):
