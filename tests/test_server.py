@@ -387,7 +387,7 @@ def test_api_key_health_and_disconnect_frees_the_session(model, question):
     with serve(model, api_key="s3cret", max_sessions=3, model_name="tiny") as (address, app):
         health = get_json(f"http://{address}/health")
         assert health == {"status": "ok", "model": "tiny", "device": "cpu", "dtype": "float32",
-                          "active_sessions": 0, "max_sessions": 3}
+                          "active_sessions": 0, "max_sessions": 3, "median_step_ms": 0.0, "max_step_ms": 72.0}
         asyncio.run(run(address))
         assert app.state.realtime.scheduler.active == 0
 

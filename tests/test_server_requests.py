@@ -82,6 +82,35 @@ def test_response_create_gives_the_agent_the_turn(model):
         asyncio.run(run(address))
 
 
+def test_a_request_cancelled_before_its_bos_is_not_spoken(model):
+    """response.cancel closes the waiting response; the BOS already queued still reaches the model,
+    and the turn it starts is not sent (as the rest of a cancelled turn is not)."""
+
+    async def run(address):
+        log: list = []
+        async with websockets.connect(f"ws://{address}/v1/realtime") as ws:
+            await until(ws, "session.created")
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                **GA_16K, "nvchat": {"turn_taking": False, "deterministic": True}}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(QUIET)}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await until(ws, "response.done")  # the commit's: the session runs
+            await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"k": "v"}}}))
+            await ws.send(json.dumps({"type": "response.cancel"}))
+            done = await until(ws, "response.done", log)
+            assert done["response"]["status"] == "cancelled" and done["response"]["metadata"] == {"k": "v"}
+            for _ in range(4):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(QUIET)}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await until(ws, "input_audio_buffer.committed", log)
+            await until(ws, "response.done", log)  # the commit's own, empty
+            return log
+
+    with serve(model, clock=0) as (address, _):
+        log = asyncio.run(run(address))
+    assert not [e for e in log if e["type"] in ("response.output_audio.delta", "response.output_audio_transcript.delta")]
+
+
 def test_a_full_server_refuses_the_upgrade_and_reconnects_leave_no_row(model):
     async def run(address, app):
         realtime = app.state.realtime

@@ -267,6 +267,7 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
         self.user_speaking = False  # speech_started sent, speech_stopped not yet (the policy's view)
         self.turn_muted = False  # the client cancelled the agent's turn: the rest of it is not sent
         self.agent_turn = False  # the text channel's last BOS/EOS was BOS: the agent holds the turn
+        self.cancelled_bos = False  # a response.create's response cancelled before its BOS: that turn is not sent
         self.frames = 0
         self.compute_s: deque[float] = deque(maxlen=25)
         self.client_event_id: str | None = None
@@ -410,6 +411,7 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                     raise ClientError("invalid_state", "no session to cancel: send session.update first")
                 self.scheduler.cancel(self.handle)
             elif self.response is not None:
+                self.cancelled_bos = self.response["waiting"]
                 await self._close_response("cancelled")
                 self.turn_muted = True
         elif etype == "output_audio_buffer.clear":

@@ -42,6 +42,7 @@ class ResponseEvents:
     user_speaking: bool
     agent_turn: bool
     turn_muted: bool
+    cancelled_bos: bool
     frames: int
     session_id: str
     eos_id: int
@@ -101,9 +102,11 @@ class ResponseEvents:
             frame = next((e.frame_index for e in out.events if e.kind == "audio"), self.frames)
             await self._speech_stopped(frame)
         if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
-            self.turn_muted = False  # a turn begins or ends: a cancelled one is over
-            self.agent_turn = out.ids[0] == self.bos_id
-        if out.ids is not None and out.ids[0] == self.bos_id:
+            # a turn begins or ends: a cancelled one is over, but for the BOS of a cancelled request
+            bos = out.ids[0] == self.bos_id
+            self.turn_muted, self.cancelled_bos = bos and self.cancelled_bos, self.cancelled_bos and not bos
+            self.agent_turn = bos
+        if out.ids is not None and out.ids[0] == self.bos_id and not self.turn_muted:
             if self.response is None:
                 await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
             self.response["waiting"] = False  # a response.create's response starts here
