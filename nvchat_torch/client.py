@@ -207,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # the server refused the handshake: a full server answers 503 with its reason
+        response = getattr(e, "response", None)
+        if response is None or not hasattr(response, "status_code"):
+            raise
+        try:
+            reason = json.loads(response.body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.body.decode(errors="replace")
+        print(f"error: the server refused the connection (HTTP {response.status_code}): {reason}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

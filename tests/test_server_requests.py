@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import numpy as np
 import pytest
 import websockets
 
+from nvchat_torch.client import main as client_main
 from nvchat_torch.server.session_config import NEVER
 from nvchat_torch.turn_taking import TurnTakingConfig
-from test_server import TIMEOUT, b64, get_json, model, serve, wait_idle  # noqa: F401 (model: a fixture)
+from test_server import EXAMPLE, TIMEOUT, b64, get_json, model, serve, wait_idle  # noqa: F401 (model: a fixture)
 
 GA_16K = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                         "output": {"format": {"type": "audio/pcm", "rate": 22050}}}}
@@ -111,7 +113,7 @@ def test_a_request_cancelled_before_its_bos_is_not_spoken(model):
     assert not [e for e in log if e["type"] in ("response.output_audio.delta", "response.output_audio_transcript.delta")]
 
 
-def test_a_full_server_refuses_the_upgrade_and_reconnects_leave_no_row(model):
+def test_a_full_server_refuses_the_upgrade_and_reconnects_leave_no_row(model, capsys):
     async def run(address, app):
         realtime = app.state.realtime
         async with websockets.connect(f"ws://{address}/v1/realtime") as ws:
@@ -125,6 +127,10 @@ def test_a_full_server_refuses_the_upgrade_and_reconnects_leave_no_row(model):
             assert response.status_code == 503
             assert json.loads(response.body)["error"]["code"] == "server_busy"
             assert realtime.active == 1
+            # the command-line client says why, instead of a traceback
+            code = await asyncio.to_thread(client_main, ["--url", f"ws://{address}/v1/realtime",
+                                                         "--audio", str(EXAMPLE), "--output", os.devnull])
+            assert code == 1
         await wait_idle(address)
         # closed mid-session (and mid-prefill): its engine row is released, as a reconnect needs
         for prompt in ("", "x" * 400):
@@ -156,6 +162,7 @@ def test_a_full_server_refuses_the_upgrade_and_reconnects_leave_no_row(model):
 
     with serve(model, clock=0, max_sessions=1) as (address, app):
         asyncio.run(run(address, app))
+    assert "refused the connection (HTTP 503): all 1 sessions are in use" in capsys.readouterr().err
 
 
 def test_a_replayed_history_and_items_as_ga_reports_them(model):
