@@ -89,7 +89,8 @@ async def client(index: int, url: str, pcm: np.ndarray, args, deadline: float) -
     session = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                              "output": {"format": {"type": "audio/pcm", "rate": 22050}}},
                # the whole timeline, every 80 ms heard: listening audio is otherwise held back (docs/server.md)
-               "nvchat": {"seed": index, "stats": True, "turn_taking": False, "listening_audio": True}}
+               "nvchat": {"seed": 0 if args.shared_seed else index, "stats": True, "turn_taking": False,
+                          "listening_audio": True}}
     if args.prompt_chars:
         session["instructions"] = (FILLER * (args.prompt_chars // len(FILLER) + 1))[:args.prompt_chars]
     r = {"client": index, "arrivals": [], "samples": 0, "errors": [], "rtf": [], "start": None, "commit": None,
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-sessions", type=int, default=None, help="of the in-process server (default: --clients)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads of the in-process server (default: the server's, half of torch's)")
+    p.add_argument("--shared-seed", action="store_true",
+                   help="every client seed 0: with --prompt-chars, the first client's prompt is prefilled (cold) "
+                        "and the others' come from the server's prompt cache; 'first audio s' is then the time to "
+                        "the first heard frame, cold and cached")
     p.add_argument("--max-step-fraction", type=float, default=0.9,
                    help="the in-process server refuses sessions (HTTP 503) while its median step is this "
                         "fraction of the frame or more (0: never, to measure an overloaded server)")
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvchat_torch.server.__main__ import default_threads
 
     torch.set_num_threads(args.threads or default_threads())
-    in_process = not args.url
+    in_process, cache = not args.url, None
     with contextlib.ExitStack() as stack:
         if args.url:
             url, pid, model_name = args.url, args.pid or 0, args.url  # 0: no process to measure
@@ -238,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             model = nv.load_model(path, device="cpu")
             app = create_app(model, max_sessions=args.max_sessions or args.clients,
                              max_step_fraction=args.max_step_fraction)
+            cache = app.state.realtime.scheduler.engine.prompt_cache
             url = f"ws://{stack.enter_context(serve_in_thread(app))}/v1/realtime"
             pid, model_name = None, model.describe()
         rows, process = asyncio.run(run_clients(url, args, pid))
@@ -248,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load:    {args.clients} clients x {args.seconds:g} s at real-time pace, {args.stagger:g} s apart, "
           f"prompt {args.prompt_chars or 'default'} chars; 80 ms gaps and 12.5 frames/s are real time")
     print(table(rows))
+    if in_process and cache is not None:
+        print(f"prompt cache: {cache.hits} hits, {cache.misses} misses, {cache.nbytes / 2**20:.1f} MiB kept")
     if process:
         print(f"server RSS: {process['rss_end_mb']:.0f} MiB at the end, {process['rss_peak_mb']:.0f} MiB peak"
               + (" (this process: server and clients)" if in_process else ""))

@@ -23,6 +23,7 @@ import numpy as np
 from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .frame_step import FrameStep
+from .prompt_cache import PromptCache
 from .session import AudioInput, StreamingSession
 from .turn_taking import TurnTakingConfig
 
@@ -201,6 +202,8 @@ class BatchEngine:
         self._slots: list[EngineSession | None] = []  # by slot (the FrameStep's rows)
         self._joining: list[EngineSession] = []  # deferred prefills, oldest first (see prefill)
         self._failures: dict[EngineSession, BaseException] = {}
+        # Prefilled prompts kept for the next session with the same one (a PromptCache; None: none kept).
+        self.prompt_cache: PromptCache | None = None
 
     def failure_of(self, handle: EngineSession) -> BaseException | None:
         """What closed ``handle``, if a step or its prefill failed on it."""
@@ -234,8 +237,8 @@ class BatchEngine:
                              "use_language_cache must be True (the uncached paths are diagnostics for one session)")
         if len(self.sessions) + len(self._joining) >= self.max_sessions:
             raise RuntimeError(f"the engine is full: {self.max_sessions} sessions are open (max_sessions)")
-        handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill, own_frames=False),
-                               None)
+        handle = EngineSession(self, StreamingSession(self.model, options, prefill=not defer_prefill, own_frames=False,
+                                                      prompt_cache=self.prompt_cache), None)
         if handle._host.prefilling:
             self._joining.append(handle)
         else:

@@ -31,6 +31,7 @@ from .events import (
 )
 from .frame_layout import PackedLayout
 from .frame_step import FrameInput, FrameStep
+from .prompt_cache import PromptCache
 from .rnnt import TranscriptText
 from .timeline import Timeline
 from .tools import ToolChannel, render_system_prompt
@@ -53,11 +54,13 @@ class StreamingSession:
     """
 
     def __init__(self, model: VoiceChatNetworks, options: StreamingOptions, *, prefill: bool = True,
-                 own_frames: bool = True) -> None:
+                 own_frames: bool = True, prompt_cache: PromptCache | None = None) -> None:
         """``prefill=False`` defers the system prompt's prefill: :meth:`prefill_step` runs it a piece at a
         time (the engine spreads it over other sessions' frames); the first audio completes it.
         ``own_frames=False``: the frames run as a row of someone else's FrameStep (the batched engine's),
-        which takes the prefilled timeline; this session is then its host side only."""
+        which takes the prefilled timeline; this session is then its host side only. ``prompt_cache``: a
+        prompt prefilled before (same ids, seed, mode, dtype) is copied from it instead, and a new one is
+        kept in it (:class:`~nvchat_torch.prompt_cache.PromptCache`)."""
         self.model = model
         self.options = options
         cfg = self.config = model.config
@@ -96,7 +99,11 @@ class StreamingSession:
             # Prefill: the prompt rides on the user channel with the output channels off (PAD),
             # advancing the LLM and TTS timeline; no codec, no events, frame_index stays 0.
             self._prefill: Iterator[bool] | None = None
-            if prompt:
+            self._prompt_cache = prompt_cache
+            self._prompt_key = None if prompt_cache is None else prompt_cache.key(prompt, options, model)
+            if prompt and prompt_cache is not None and prompt_cache.restore(self._prompt_key, self._timeline):
+                self._join()
+            elif prompt:
                 self._prefill = self._timeline.prefill_pieces(
                     self._timeline.embed(torch.tensor([prompt], device=model.device)))
                 if prefill:
@@ -121,6 +128,8 @@ class StreamingSession:
             with torch.inference_mode():
                 if not next(self._prefill, False):
                     self._prefill = None
+                    if self._prompt_cache is not None:  # kept before a frame step takes the caches
+                        self._prompt_cache.save(self._prompt_key, self._timeline)
                     self._join()
         return self._prefill is None
 

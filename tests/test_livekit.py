@@ -48,9 +48,10 @@ def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray]]:
 
 
 class Microphone(io.AudioInput):
-    """The scripted microphone: 80 ms frames of 24 kHz pcm16 on a real-time clock. Its first frame
-    starts the server's session (LiveKit sends 100 ms appends: two frames make one); the script plays once ``ready()`` says the session's prompt has been
-    prefilled (audio sent during the prefill would queue, and the conversation would lag behind it)."""
+    """The scripted microphone: 80 ms frames of 24 kHz pcm16 on a real-time clock. Its first two frames
+    start the server's session (LiveKit sends 100 ms appends); the rest of the script plays once
+    ``ready()`` says the session's prompt has been prefilled (audio sent during the prefill would
+    queue, and the conversation would lag behind it)."""
 
     def __init__(self, phases, log, ready):
         super().__init__(label="scripted microphone")

@@ -48,6 +48,7 @@ WS_MAX_BYTES = 64 * 1024 * 1024  # the transport's own limit, above ours so that
 MAX_BUFFERED_SECONDS = 30.0  # input audio received and not yet run, per session; more is refused
 MAX_UNSENT_SECONDS = 3.0  # a client whose oldest unsent event is older than this is not reading: closed
 MAX_STEP_FRACTION = 0.9  # a median step this near the frame (72 of 80 ms) refuses new sessions; 0: never
+PROMPT_CACHE_BYTES = 1 << 30  # prefilled prompts kept for the next session with the same one; 0: none
 CLOSE_TOO_SLOW = 1008  # policy violation: the client does not read what it asked for
 CLOSE_WAIT_SECONDS = 10.0  # how long a too-slow client's close frame waits for it to read
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -100,7 +101,8 @@ class RealtimeServer:
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                  max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS,
-                 turn_taking: Any = True, max_step_fraction: float = MAX_STEP_FRACTION):
+                 turn_taking: Any = True, max_step_fraction: float = MAX_STEP_FRACTION,
+                 prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         for name, value in (("max_buffered_seconds", max_buffered_seconds), ("max_unsent_seconds", max_unsent_seconds)):
@@ -119,7 +121,8 @@ class RealtimeServer:
         self.turn_taking = turn_taking if not isinstance(turn_taking, bool) else turn_taking_config(turn_taking)
         # Outputs (one per frame, mostly) a connection may hold unsent, whatever their age: memory stays bounded.
         self.max_unsent_outputs = 4 * math.ceil(max_unsent_seconds / model.config.frame_duration) + 16
-        self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock)
+        self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock,
+                                        prompt_cache_bytes=prompt_cache_bytes)
         self._lock = threading.Lock()
         self.active = 0
 
@@ -162,7 +165,7 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
                max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
                max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True,
-               max_step_fraction: float = MAX_STEP_FRACTION) -> FastAPI:
+               max_step_fraction: float = MAX_STEP_FRACTION, prompt_cache_bytes: int = PROMPT_CACHE_BYTES) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
     sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
     Browser pages of other origins than the server's own are refused unless in ``allow_origins``
@@ -171,11 +174,13 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     ``turn_taking``: the policy GA sessions get unless they say otherwise (``nvchat.turn_taking``):
     True is NVIDIA's (docs/turn_taking.md), False the raw model, or a ``TurnTakingConfig``. The server
     is full at ``max_sessions``, or while its median step is ``max_step_fraction`` of the frame or more:
-    a WebSocket upgrade is then refused with HTTP 503 and a JSON reason."""
+    a WebSocket upgrade is then refused with HTTP 503 and a JSON reason. Prefilled prompts are kept for
+    the next session with the same one, up to ``prompt_cache_bytes`` (0: none)."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
                             max_message_bytes=max_message_bytes, clock=clock,
                             max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds,
-                            turn_taking=turn_taking, max_step_fraction=max_step_fraction)
+                            turn_taking=turn_taking, max_step_fraction=max_step_fraction,
+                            prompt_cache_bytes=prompt_cache_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

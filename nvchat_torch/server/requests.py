@@ -6,9 +6,9 @@ turn-taking policy uses at an end of utterance, here on request), and the respon
 that frame carries the request's ``metadata`` (LiveKit Agents waits for its ``client_event_id``
 there). The response is announced at once and waits for its BOS frame (``waiting``): nothing of
 the frames before it is sent. A request made while a response is open (or waiting) joins it: no
-second BOS, and the open response takes the metadata (``response.done`` shows it). What the model cannot honour of a request (per-response
-instructions, tools, an out-of-band conversation, text only) is validated and taken, and
-docs/server.md says what happens instead.
+second BOS, and the open response takes the metadata (``response.done`` shows it). What the model
+cannot honour of a request (per-response instructions, tools, an out-of-band conversation, text
+only) is validated and taken, and docs/server.md says what happens instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = ["RequestEvents", "check_response_create", "RESPONSE_CREATE"]
 
 _FUNCTION_TOOL = Obj({"type": Str(("function",)), "name": Str(), "description": Str(), "parameters": AnyJSON()})
 _MCP_TOOL = Obj({"type": Str(("mcp",)), "server_label": Str(),
-                 "allowed_callers": ListOf(Str(("direct", "programmatic")), nullable=True), "allowed_tools": AnyJSON(nullable=True), "authorization": Str(), "connector_id": Str(),
+                 "allowed_callers": ListOf(Str(("direct", "programmatic")), nullable=True),
+                 "allowed_tools": AnyJSON(nullable=True), "authorization": Str(), "connector_id": Str(),
                  "defer_loading": Bool(), "headers": AnyJSON(nullable=True), "require_approval": AnyJSON(nullable=True),
                  "server_description": Str(), "server_url": Str(), "tunnel_id": Str()},
                 required=("type", "server_label"))

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..events import ContextLimit, StreamingOptions
+from ..prompt_cache import PromptCache
 
 __all__ = ["FrameScheduler", "Output"]
 
@@ -60,9 +61,11 @@ class FrameScheduler:
     """``clock``: seconds between steps (the frame duration: real time); 0 steps as soon as a frame is
     pending (batch processing, tests)."""
 
-    def __init__(self, model, max_sessions: int = 4, clock: float | None = None):
+    def __init__(self, model, max_sessions: int = 4, clock: float | None = None, prompt_cache_bytes: int = 1 << 30):
         self.model = model
         self.engine = model.create_engine(max_sessions=max_sessions)
+        # Sessions with a prompt prefilled before join at once (nvchat_torch.prompt_cache); 0: none kept.
+        self.engine.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.clock = model.config.frame_duration if clock is None else clock
         self.frame_samples = model.config.input_frame_samples
         self.sample_rate = model.config.input_sample_rate

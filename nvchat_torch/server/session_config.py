@@ -18,8 +18,8 @@ from ..events import StreamingOptions
 from .ga_schema import PASS_THROUGH, UnknownKey, check, show
 
 __all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
-           "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "turn_detection_policy", "not_applied", "mlx_update", "is_mlx_update", "format_json", "decode_audio",
-           "encode_audio"]
+           "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "turn_detection_policy", "not_applied", "mlx_update",
+           "is_mlx_update", "format_json", "decode_audio", "encode_audio"]
 
 INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
 OUTPUT_RATES = (24000, 22050)  # the model's 22.05 kHz is resampled to 24 kHz, or sent as it is
