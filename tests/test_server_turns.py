@@ -272,7 +272,9 @@ def test_every_valid_ga_event_and_value_is_taken(model):
               # a framework replaying its context's tool result before the audio: history, not heard
               {"type": "conversation.item.create", "item": {"type": "function_call_output", "id": "item_result",
                                                             "call_id": "call_old", "output": '{"ok": true}'}},
-              # the agent's turn asked for before the audio: its BOS on the first frame
+              {"type": "response.cancel"},  # with no response open: nothing to cancel
+              # the agent's turn asked for before the audio: its BOS on the first frame (not cancelled:
+              # a cancel before its BOS frame would keep that turn from being sent)
               {"type": "response.create", "response": {"output_modalities": ["audio"], "conversation": "auto"}}]
     transcription = {"type": "transcription", "include": ["item.input_audio_transcription.logprobs"],
                      "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe", "language": "en"},
@@ -298,7 +300,7 @@ def test_every_valid_ga_event_and_value_is_taken(model):
               {"type": "conversation.item.retrieve", "item_id": "item_hello"},
               {"type": "conversation.item.truncate", "item_id": "item_late", "content_index": 0, "audio_end_ms": 0},
               {"type": "conversation.item.delete", "item_id": "item_late"},
-              {"type": "response.cancel"}, {"type": "output_audio_buffer.clear"}]
+              {"type": "output_audio_buffer.clear"}]
     with serve(model, clock=0) as (address, _):
         events = asyncio.run(run_ga(address, pcm, values, before, during))
     kinds = [e["type"] for e in events]
