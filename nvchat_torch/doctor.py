@@ -203,8 +203,8 @@ def compile_check(model: Any, frames: int = 20, backend: Any = "inductor") -> di
     except Exception as e:  # noqa: BLE001 - the report names it, and the model runs eager
         model.step_compiler = None
         cause: BaseException = e  # the compiler wraps what failed in its own errors: name the innermost
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
+        while (inner := getattr(cause, "inner_exception", None) or cause.__cause__) is not None:
+            cause = inner
         why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
         return {"ok": False, "why": why if cause is e else f"{type(e).__name__} ({why})", "eager_ms": eager_ms}
     differ = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
