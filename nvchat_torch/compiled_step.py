@@ -85,12 +85,3 @@ class StepCompiler:
                 f"cache-free diagnostics (once per session, or diagnostics); fused CPU kernels: not used "
                 f"(the compiler fuses the composite code, the path MPS and CUDA run)")
 
-
-def compile_counters() -> dict[str, int]:
-    """torch._dynamo's counters that the tests and the doctor read: graphs made, graph breaks,
-    recompiles (frames compiled again after a guard failed)."""
-    from torch._dynamo.utils import counters
-
-    return {"graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values())),
-            "frames_compiled": int(counters["stats"]["calls_captured"])}

@@ -37,6 +37,7 @@ from .diagnostics import (CpuFallbackRecorder, CpuFallbackWarning, OpCounter, co
                           model_bytes, synchronize)
 from .events import StreamingOptions
 from .int4pack import INT4_DEVICE_TYPES, int4_kernel
+from .layers import fused_cpu_paths
 from .op_audit import Audit, OpRecorder, tone
 from .quant import QuantizedLinear, self_test_kernel
 
@@ -130,8 +131,7 @@ class CompositePath:
     CUDA run, so an audit of it says what MPS would run (the fused ops are CPU-only)."""
 
     def __init__(self, model: Any):
-        self.fused = [(m, flag) for m in model.modules() for flag in ("fused_on_cpu", "real_fft")
-                      if getattr(m, flag, False)]
+        self.fused = fused_cpu_paths(model)
 
     def __enter__(self) -> None:
         for m, flag in self.fused:

@@ -84,14 +84,10 @@ class Rotary(nn.Module):
         # swap[j, i] = 1 where x_j is the swapped-halves partner of x_i (for rotation_rows()).
         self.register_buffer("swap", torch.roll(torch.eye(self.dim, device=device), half, dims=0), persistent=False)
 
-    def rotation_rows(self, positions: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
-        """RoPE at each row's position as a matrix: ``positions [R]`` -> ``M [R, 1, 1, dim, dim]`` (an int:
-        every row there, ``[1, 1, 1, dim, dim]``); ``x @ M`` rotates ``x`` (3 ops, shared by every layer of
-        a step, which then rotates with one matmul)."""
-        if isinstance(positions, int):
-            cos, sin = self.table(positions, 1)
-        else:
-            cos, sin = self.cos[positions], self.sin[positions]
+    def rotation_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE at each row's position as a matrix: ``positions [R]`` -> ``M [R, 1, 1, dim, dim]``; ``x @ M``
+        rotates ``x`` (3 ops, shared by every layer of a step, which then rotates with one matmul)."""
+        cos, sin = self.cos[positions], self.sin[positions]
         return (torch.diag_embed(cos) + self.swap * sin[:, None]).to(dtype)[:, None, None]
 
     def reserve(self, positions: int) -> None:
@@ -428,9 +424,8 @@ class GemmaBackbone(nn.Module):
              rows: TTSRows | None = None) -> torch.Tensor:
         batch, length, width = x.shape
         if rows is not None:  # one rotation matrix per row and RoPE base
-            at = rows.positions
-            tables = {False: (self.rope_global.rotation_rows(at, x.dtype),),
-                      True: (self.rope_local.rotation_rows(at, x.dtype),)}
+            tables = {False: (self.rope_global.rotation_rows(rows.positions, x.dtype),),
+                      True: (self.rope_local.rotation_rows(rows.positions, x.dtype),)}
         else:
             tables = {False: self.rope_global.table(0, length), True: self.rope_local.table(0, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes

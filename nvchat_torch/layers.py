@@ -34,7 +34,7 @@ from . import cpu_kernels
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
-           "ACTIVATIONS", "KV_BLOCK", "grown_capacity"]
+           "ACTIVATIONS", "KV_BLOCK", "grown_capacity", "fused_cpu_paths"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -112,6 +112,13 @@ class FusedOnCpu:
 
     def use_cpu_kernels(self) -> None:
         self.fused_on_cpu = True
+
+
+def fused_cpu_paths(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Each CPU-only path ``prepare()`` switched on, as (module, flag): a fused op (``fused_on_cpu``) and the
+    log-mel's real FFT (``real_fft``). Setting a flag False gives that module the composite code, which
+    is what MPS and CUDA run (a compiled step, and the doctor's audit of what MPS would run)."""
+    return [(m, flag) for m in model.modules() for flag in ("fused_on_cpu", "real_fft") if getattr(m, flag, False)]
 
 
 def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:

@@ -53,22 +53,14 @@ class Draws:
     @classmethod
     def take(cls, generator: Generators, batch: int, draws: int, components: int, latent: int, noise: bool,
              device: torch.device) -> "Draws":
-        """The draws of ``batch`` rows from one generator, or one per row (a None row draws nothing: 0)."""
-        def drawn(g: torch.Generator | None, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            uniform, normal = [], []
-            for _ in range(draws):
-                uniform.append(torch.rand((rows, components), generator=g, device=device))
-                if noise:
-                    normal.append(torch.randn((rows, latent), generator=g, device=device))
-            return torch.stack(uniform), torch.stack(normal) if noise else None
-
-        if generator is None or isinstance(generator, torch.Generator):
-            return cls(*drawn(generator, batch))
-        rows = [drawn(g, 1) if g is not None else (torch.zeros(draws, 1, components, device=device),
-                                                  torch.zeros(draws, 1, latent, device=device) if noise else None)
-                for g in generator]
-        return cls(torch.cat([u for u, _ in rows], dim=1),
-                   torch.cat([n for _, n in rows], dim=1) if noise else None)  # type: ignore[misc]
+        """The draws of ``batch`` rows from one generator, or one per row (a None row draws nothing: 0), each
+        by :func:`draw`: per generator, a draw's uniforms then its normals, draw after draw."""
+        uniform, normal = [], []
+        for _ in range(draws):
+            uniform.append(draw(torch.rand, (batch, components), generator, device))
+            if noise:
+                normal.append(draw(torch.randn, (batch, latent), generator, device))
+        return cls(torch.stack(uniform), torch.stack(normal) if noise else None)
 
 
 class MoGLayer(nn.Module):

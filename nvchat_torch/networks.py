@@ -18,7 +18,7 @@ from .config import VoiceChatConfig
 from .perception import Perception
 from .diagnostics import model_bytes, return_freed_memory
 from .int4pack import Int4Kernel
-from .layers import FusedOnCpu, Linear, swap_modules
+from .layers import FusedOnCpu, Linear, fused_cpu_paths, swap_modules
 from .language_heads import fuse_heads
 from .nemotron_h import NemotronHModel
 from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4
@@ -138,10 +138,8 @@ class VoiceChatNetworks(nn.Module):
         if not self.prepared:
             raise RuntimeError("compile_step: prepare() the model first (load_model does)")
         compiler = StepCompiler(self.device, backend, mode)
-        for module in self.modules():
-            for flag in ("fused_on_cpu", "real_fft"):  # the fused ops, and the log-mel's CPU-only real FFT
-                if getattr(module, flag, False):
-                    setattr(module, flag, False)
+        for module, flag in fused_cpu_paths(self):
+            setattr(module, flag, False)
         self.fused_cpu_off = "not used under compile_step (the compiled step fuses the composite code)"
         self.step_compiler = compiler
         return self
