@@ -8,6 +8,10 @@ writes every cache in place, and the buffers grow outside it, a block at a time.
 marked dynamic, so a growing cache compiles nothing; CUDA graphs (``mode="reduce-overhead"``, the
 default on CUDA) are recorded per shape, so one is recorded when a block is added, never per frame.
 
+Each kind of layer (Mamba, attention and MLP blocks, Conformer layers, the TTS's sliding and global
+layers) is a nested compile region (:func:`~nvchat_torch.layers.layer_step`): traced and compiled once,
+stamped out for the other layers of its kind, which bounds the compile time of the one graph.
+
 What it leaves eager: the prompt prefill and the speaker warmup (once per session, long sequences),
 and the cache-free diagnostics. The fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`) are not used
 under it: the compiler fuses the composite code, which is what MPS and CUDA run.
@@ -81,7 +85,7 @@ class StepCompiler:
         mode = f", mode {self.mode}" if self.mode else ""
         backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "a custom backend")
         return (f"frame step: compiled whole (torch.compile, {backend}{mode}, fullgraph, the key/value capacity "
-                f"dynamic, batches in powers of two); eager: the prompt prefill, the speaker warmup and the "
+                f"dynamic, batches in powers of two, each layer kind compiled once as a nested region); eager: the prompt prefill, the speaker warmup and the "
                 f"cache-free diagnostics (once per session, or diagnostics); fused CPU kernels: not used "
                 f"(the compiler fuses the composite code, the path MPS and CUDA run)")
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import ConformerConfig
-from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, norm_linear, promoted,
-                     swap_modules)
+from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, layer_step, layer_step_input,
+                     norm_linear, promoted, swap_modules, window_tail)
 from .layers import linear as promoted_linear
 from .quant import concat_linears
 
@@ -209,9 +209,10 @@ class ConvModule(nn.Module, FusedOnCpu):
         before its first): the window is them and this frame's, one cat, whatever frame each row is at."""
         if self.fused_on_cpu and cpu_kernels.usable(x):
             return self._fused_step(x, norm, state)
-        window = torch.cat([state, self._glu(norm(x)).transpose(1, 2)], dim=2)
+        glu = self._glu(norm(x)).transpose(1, 2)
+        window = torch.cat([state, glu], dim=2)
         h = F.silu(self.batch_norm(self.depthwise_conv(window).transpose(1, 2)))
-        return add_linear(x, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window[..., 1:]
+        return add_linear(x, self.pointwise_conv2, h, weight=self.pointwise_conv2.weight[..., 0]), window_tail(window, state, glu, 2)
 
     def use_cpu_kernels(self) -> None:
         """On a float32 CPU model (``prepare()``): GLU, the depthwise conv with its state, the norm and
@@ -261,6 +262,12 @@ class ConformerLayer(nn.Module):
         x, conv_state = self.conv.forward_step(x, self.norm_conv, conv_state)
         x = self.feed_forward2.add_to(x, self.norm_feed_forward2, 0.5)
         return self.norm_out(x), conv_state
+
+
+@layer_step  # compiled once and stamped out for the other layers (layers.layer_step)
+def _layer_step(layer: ConformerLayer, x: torch.Tensor, kv: torch.Tensor, conv_state: torch.Tensor, rows: ConformerRows,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.forward_step(x, kv, conv_state, rows, positions)
 
 
 class CausalSubsampling(nn.Module):
@@ -334,6 +341,7 @@ class ConformerCache:
     aligned: bool = True
 
 
+@layer_step_input
 @dataclass
 class ConformerRows:
     """Per-row ring indices of one batched step (made once per step, shared by the layers)."""
@@ -517,7 +525,7 @@ class FastConformer(nn.Module, FusedOnCpu):
         else:
             positions = self.stream_pos[rows.columns].expand(len(self.layers), -1, -1, -1)
         for i, (layer, kv) in enumerate(zip(self.layers, cache.kv)):
-            x, cache.conv[i] = layer.forward_step(x, kv, cache.conv[i], rows, positions[i])
+            x, cache.conv[i] = _layer_step(layer, x, kv, cache.conv[i], rows, positions[i])
         cache.frames = n + 1
         cache.least += 1
         return x

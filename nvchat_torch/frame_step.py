@@ -70,6 +70,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _set(ref: _Ref, value: torch.Tensor) -> None:
     holder, key = ref
     if isinstance(key, int):
@@ -476,6 +480,9 @@ class FrameStep:
                 stamps.append(time.perf_counter())
 
         turns = self._turns if flags.turns else None
+        # Compiled, the index tensors the layer steps take are copied apart: they are slices of one upload,
+        # and a layer step (a nested compile region) refuses inputs that share storage. The copies are tiny.
+        own = torch.clone if flags.in_place else _same
         table = step.table
         frame_index, llm_pos = table[FRAME], table[LLM_POSITION]
         state = self._recurrent() if turns is None else \
@@ -483,7 +490,7 @@ class FrameStep:
         buffers = [_get(ref) for ref, _, _ in state]
         saved = [t.clone() for t in buffers] if flags.restore else []
         encoder = self._perception.encoder
-        conformer_rows = ConformerRows(step.row_numbers[:batch], step.conformer_slot, step.conformer_columns,
+        conformer_rows = ConformerRows(own(step.row_numbers[:batch]), own(step.conformer_slot), own(step.conformer_columns),
                                        encoder.ring_mask(frame_index, self._conformer), step.conformer_columns.shape[1])
         projected, encoded = self._perceive(step.frames, frame_index, conformer_rows)
         mark()
@@ -495,7 +502,7 @@ class FrameStep:
         mark()
         fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:], cfg.function_channel_weight)
         round_keys = table[ROUNDS_KEYS].bool() if flags.round_keys else None
-        rows = LanguageRows.make(llm_pos, self._language.capacity, round_keys, step.row_numbers[:batch])
+        rows = LanguageRows.make(own(llm_pos), self._language.capacity, round_keys, own(step.row_numbers[:batch]))
         hidden = self._language_step(fused, rows)
         ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
         if flags.forcing:  # force_tokens / a tool result: queued ids replace a row's outputs
@@ -504,8 +511,8 @@ class FrameStep:
             ids = self._take_turns(turns, ids, user_blank, step.hold)
         self._ids = ids
         mark()
-        tts_rows = TTSRows.make(step.tts_positions, self._tts.capacities(), self._speech.tts_model.backbone.window,
-                                step.row_numbers, step.tts_ring)
+        tts_rows = TTSRows.make(own(step.tts_positions), self._tts.capacities(), self._speech.tts_model.backbone.window,
+                                own(step.row_numbers), own(step.tts_ring))
         deterministic: bool | torch.Tensor = not flags.sampling
         if flags.mixed:  # rows that draw nothing this step take the most likely component
             deterministic = table[DRAWS] == 0

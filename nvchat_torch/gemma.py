@@ -17,7 +17,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TTSConfig
-from .layers import REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, grown_capacity, norm_linear
+from .layers import (REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, grown_capacity, layer_step, layer_step_input,
+                     norm_linear)
 from .quant import fuse_linears
 
 __all__ = ["GatedMLP", "FusedGatedMLP", "Rotary", "FusedQKV", "TTSCache", "TTSRows", "GemmaAttention", "FusedGemmaAttention",
@@ -251,6 +252,7 @@ class TTSCache:
         return self.keys[layer], self.values[layer]
 
 
+@layer_step_input
 @dataclass
 class TTSRows:
     """Where each row of a batched step stands (:meth:`GemmaBackbone.forward_step`), made once per step
@@ -276,11 +278,12 @@ class TTSRows:
             batch = torch.arange(positions.shape[0], device=positions.device)
         if ring_slots is None:
             ring_slots = positions % window
-        slots = torch.arange(max(capacities), device=positions.device)
         # A global layer's slot = position; a sliding layer's ring slot j holds some position <= the row's,
-        # and is filled once the row got there.
-        held = (slots <= positions[:, None])[:, None, None]
-        return cls(positions, batch, ring_slots, held[..., :capacities[0]], held[..., :capacities[1]])
+        # and is filled once the row got there. (Two masks, not views of one: a layer step takes no
+        # inputs that share storage.)
+        held, ring = ((torch.arange(capacity, device=positions.device) <= positions[:, None])[:, None, None]
+                      for capacity in capacities)
+        return cls(positions, batch, ring_slots, held, ring)
 
 
 class GemmaAttention(AttentionProjections):
@@ -385,6 +388,13 @@ class GemmaLayer(nn.Module):
         return self.post_feedforward_layernorm.add_to(h, self.mlp(h, self.pre_feedforward_layernorm))
 
 
+@layer_step  # compiled once per kind (sliding, global) and stamped out for the other layers (layers.layer_step)
+def _layer_step(layer: GemmaLayer, x: torch.Tensor, rope: tuple[torch.Tensor, ...], keys: torch.Tensor,
+                values: torch.Tensor, window: int | None, mask: torch.Tensor, rows: TTSRows) -> torch.Tensor:
+    """One position per row ``x [R, H]``; the layer's keys and values, written in place, as a cache of one layer."""
+    return layer(x, x.shape[0], 1, rope, TTSCache([keys], [values], [window]), 0, mask, rows)
+
+
 class GemmaBackbone(nn.Module):
     """The Gemma-3 decoder stack without token embeddings or input scaling (``backbone``).
 
@@ -430,7 +440,11 @@ class GemmaBackbone(nn.Module):
             tables = {False: self.rope_global.table(0, length), True: self.rope_local.table(0, length)}
         x = x.reshape(batch * length, width)  # 2-D activations: linears without reshapes
         for index, layer in enumerate(self.layers):
-            x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding], rows)
+            if rows is not None:
+                x = _layer_step(layer, x, tables[layer.sliding], cache.keys[index], cache.values[index],
+                                cache.windows[index], masks[layer.sliding], rows)
+            else:
+                x = layer(x, batch, length, tables[layer.sliding], cache, index, masks[layer.sliding])
         return self.norm(x).view(batch, length, width)
 
     def forward(self, x: torch.Tensor, cache: TTSCache | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree
 from torch import nn
 
 from . import cpu_kernels
@@ -34,7 +35,7 @@ from . import cpu_kernels
 __all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
-           "ACTIVATIONS", "KV_BLOCK", "grown_capacity", "fused_cpu_paths"]
+           "ACTIVATIONS", "KV_BLOCK", "grown_capacity", "fused_cpu_paths", "layer_step", "layer_step_input", "window_tail"]
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -101,6 +102,38 @@ def grown_capacity(capacity: int, needed: int, limit: int | None = None) -> int:
     if limit is not None:
         size = min(size, limit)
     return max(size, needed)
+
+
+S = TypeVar("S")
+
+
+def layer_step(step: S) -> S:
+    """Mark ``step``, one layer's streaming step, as a nested compile region: under ``torch.compile``
+    (the compiled frame step) a kind of layer is traced and compiled once and stamped out for its
+    other layers (52 LLM, 24 Conformer and 28 TTS layers at full size); that bounds the frame step's
+    compile time. Eager, it is a plain call. torch reuses a region only if it is a function of its
+    arguments: tensors, modules, constants and :func:`layer_step_input` dataclasses in, tensors out, and no
+    Python object it did not make changed (a cache's tensors are written in place, and a tensor a
+    cache would rebind is returned for the caller to store)."""
+    return torch.compiler.nested_compile_region(step)  # type: ignore[arg-type,return-value]
+
+
+def window_tail(window: torch.Tensor, state: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """A convolution state's next value: ``window`` (``cat((state, new), dim)``) less its first ``new``'s
+    length, as long as ``state``. Eager, a view of the window (no kernel). While compiling, its own cat:
+    torch 2.13's inductor returns a view into a nested region's (:func:`layer_step`) intermediate with its
+    offset applied twice (garbage, or a double free), and drops a copy of it that has its layout."""
+    n, keep = new.shape[dim], state.shape[dim]
+    if torch.compiler.is_compiling() and n < keep:
+        return torch.cat((state.narrow(dim, n, keep - n), new), dim)
+    return window.narrow(dim, window.shape[dim] - keep, keep)
+
+
+def layer_step_input(cls: type[S]) -> type[S]:
+    """Register a step's per-row dataclass (positions, slots, masks) as a pytree node, so that a
+    :func:`layer_step` can take it: the compiler sees its tensors and constants."""
+    torch.utils._pytree.register_dataclass(cls)
+    return cls
 
 
 class FusedOnCpu:

@@ -28,9 +28,11 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TextConfig
-from .layers import (KV_BLOCK, REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, norm_linear, promote, register_float32,
-                     grown_capacity, rms_norm, silu, swap_modules)
+from .layers import (KV_BLOCK, REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, grown_capacity, layer_step,
+                     layer_step_input, norm_linear, promote, register_float32, rms_norm, silu, swap_modules,
+                     window_tail)
 from .quant import QuantizedLinear, fuse_linears
+from .ssd_scan import ssd_scan
 
 __all__ = [
     "RMSNorm",
@@ -45,8 +47,6 @@ __all__ = [
     "NemotronHBlock",
     "NemotronHModel",
 ]
-
-SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
 
 
 class GatedRMSNorm(nn.Module):
@@ -142,6 +142,7 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+@layer_step_input
 @dataclass
 class LanguageRows:
     """Where each row of a batched step stands (:meth:`NemotronHModel.forward_step`), made once per step
@@ -207,46 +208,6 @@ class LanguageCache:
 # Mamba-2
 
 
-def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSM over a sequence in chunks (Mamba-2's SSD form), equal to the per-token recurrence.
-
-    x [b, L, H, P], dt [b, L, H] float32, A [H] float32, B and C [b, L, G, N] (head h reads group
-    h // (H/G)), state [b, H, P, N] float32 or None (zeros). Returns y [b, L, H, P] float32
-    (without the D skip) and the final state.
-    """
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    R = H // G
-    ys = []
-    for start in range(0, L, SSD_CHUNK):
-        xc, dtc = x[:, start:start + SSD_CHUNK], dt[:, start:start + SSD_CHUNK]
-        Bc, Cc = B[:, start:start + SSD_CHUNK], C[:, start:start + SSD_CHUNK]
-        s = xc.shape[1]
-        a = (dtc * A).transpose(1, 2)  # [b, H, s] log-decay per step
-        dtx = (dtc.unsqueeze(-1) * xc).transpose(1, 2)  # [b, H, s, P]
-        # seg[t, u] = sum of a over (u, t]: a cumulative sum of a strictly lower-triangular copy,
-        # which avoids the cancellation of cumsum[t] - cumsum[u].
-        seg = a.unsqueeze(-1).expand(b, H, s, s).tril(-1).cumsum(-2)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        decay = seg.exp().masked_fill(~causal, 0.0)
-        CB = torch.einsum("btgn,bugn->bgtu", Cc, Bc).float()  # [b, G, s, s]
-        y = (CB.unsqueeze(2) * decay.view(b, G, R, s, s)).view(b, H, s, s) @ dtx
-        # State at the chunk end: every input decayed from its step to the last one.
-        Bg = Bc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
-        weighted = (dtx * decay[:, :, -1, :].unsqueeze(-1)).view(b, G, R, s, P)
-        new_state = (weighted.transpose(-1, -2) @ Bg).view(b, H, P, N)
-        if state is not None:
-            cum = a.cumsum(-1)  # [b, H, s]
-            Cg = Cc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
-            y_prev = (Cg @ state.view(b, G, R, P, N).transpose(-1, -2)).view(b, H, s, P)
-            y = y + cum.exp().unsqueeze(-1) * y_prev
-            new_state = new_state + cum[..., -1].exp()[..., None, None] * state
-        state = new_state
-        ys.append(y.transpose(1, 2))
-    return torch.cat(ys, 1) if len(ys) > 1 else ys[0], state
-
-
 class NemotronHMamba2Mixer(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -307,7 +268,7 @@ class NemotronHMamba2Mixer(nn.Module):
             if advance and cache.offset == 0 and state.dtype != xBC.dtype:  # MLX makes the first zeros in the input's dtype
                 state = state.to(xBC.dtype)
             window = torch.cat((state, xBC), 1)  # MLX's concat: a wider input promotes the state for good
-            cache.conv_state = window[:, -(K - 1):]
+            cache.conv_state = window_tail(window, state, xBC, 1)
             if advance:
                 cache.offset += xBC.shape[1]
         # MLX's conv layer in the promoted dtype (layers.Conv1d): bf16 rounds the conv, then adds the bias
@@ -372,7 +333,7 @@ class NemotronHMamba2Mixer(nn.Module):
         if cache is not None and L == 1:
             y = self._ssm_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], cache.ssm_state).unsqueeze(1)
         else:
-            y, state = _ssd_scan(xs, dt, A, B, C, None if cache is None else cache.ssm_state)
+            y, state = ssd_scan(xs, dt, A, B, C, None if cache is None else cache.ssm_state)
             if cache is not None:
                 cache.ssm_state.copy_(state)
         if xs.dtype in REDUCED:  # the D skip; in bf16 the reference rounds the product and the sum
@@ -512,6 +473,30 @@ class NemotronHBlock(nn.Module):
         return self.mixer(x, cache, rows, residual=x, norm=self.norm)
 
 
+# The streaming step of each block kind as a function of tensors (layers.layer_step): compiled once
+# per kind and stamped out for the other layers. The cache objects are made here, around the tensors.
+
+
+@layer_step
+def _mamba_step(block: NemotronHBlock, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                rows: LanguageRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mamba block's step: ``ssm_state`` is updated in place; returns the output and the conv state."""
+    cache = MambaCache(conv_state, ssm_state)
+    return block(x, cache, rows), cache.conv_state
+
+
+@layer_step
+def _attention_step(block: NemotronHBlock, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    rows: LanguageRows) -> torch.Tensor:
+    """An attention block's step: each row's key and value are written in place at its position."""
+    return block(x, KVCache(keys, values), rows)
+
+
+@layer_step
+def _mlp_step(block: NemotronHBlock, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
 # --------------------------------------------------------------------------------------
 # The model
 
@@ -574,7 +559,12 @@ class NemotronHModel(nn.Module):
         self._check_cache(cache, inputs_embeds.shape[0])
         h = inputs_embeds
         for layer, entry in zip(self.layers, cache.layers):
-            h = layer(h, entry, rows)
+            if isinstance(entry, MambaCache):
+                h, entry.conv_state = _mamba_step(layer, h, entry.conv_state, entry.ssm_state, rows)
+            elif isinstance(entry, KVCache):
+                h = _attention_step(layer, h, entry.keys, entry.values, rows)
+            else:
+                h = _mlp_step(layer, h)
         return self.norm_f(h)
 
     def _check_cache(self, cache: LanguageCache, batch: int) -> None:

@@ -13,7 +13,7 @@ import torch
 from .diagnostics import return_freed_memory
 from .language_heads import fused_input, language_heads
 from .layers import REDUCED
-from .nemotron_h import SSD_CHUNK
+from .ssd_scan import SSD_CHUNK
 
 if TYPE_CHECKING:
     from .networks import VoiceChatNetworks

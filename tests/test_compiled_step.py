@@ -32,11 +32,14 @@ class CountingBackend:
 
     def __init__(self):
         self.batches: list[int] = []
+        self.regions: list[list[str]] = []  # per graph: the nested region each invoke_subgraph call runs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         frames = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == FRAME
                   and t.is_floating_point()]
         self.batches.append(int(frames[0].shape[0]) if frames else -1)
+        calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        self.regions.append([str(node.args[0].target) for node in calls])
         return gm.forward
 
 
@@ -58,6 +61,12 @@ def test_the_step_is_one_graph_with_no_break_and_compiles_once_over_a_long_sessi
     wave = (np.random.default_rng(0).standard_normal(2000 * FRAME) * 0.1).astype(np.float32)
     session.push_audio(wave[:FRAME], 16000)  # the warm-up frame compiles the step
     assert backend.batches == [1] and not counters["graph_break"]
+    # Each layer kind with more than one layer is one nested region, traced once and called per layer
+    # (dynamo inlines a region called once): the tiny LLM's 4 Mamba and 3 MLP blocks, its 2 Conformer layers.
+    llm = model.config.text_config.hybrid_override_pattern
+    assert (llm.count("M"), llm.count("-"), model.config.audio_config.encoder.n_layers) == (4, 3, 2)
+    calls = backend.regions[0]
+    assert len(calls) == 9 and sorted(calls.count(name) for name in set(calls)) == [2, 3, 4], calls
     capacities = {(step._language.capacity, step._tts.capacities()[0])}
     reads = []
     for k in range(1, 2000):
@@ -115,7 +124,7 @@ def test_sampling_sessions_draw_the_same_through_the_compiled_step(ckpt_f32):
 def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, reference, layout):
     """Through inductor: the text, function and transcript ids and all 31 codes per frame equal the MLX
     reference's on the real cards' layout (4-bit, float32 scales, bf16 elsewhere), and the audio is
-    within the streaming test's tolerance. (The float32 layout passes too; one layout keeps CI's
+    within the streaming test's tolerance; engine rows through the compiled step equal their sessions. (The float32 layout passes too; one layout keeps CI's
     compile time to one inductor compile: docs/performance.md.)"""
     path = make_checkpoint(seed=0, **LAYOUTS.get(layout, {}))
     wave = synth_audio(1.2)
@@ -142,6 +151,11 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     assert ours["text"] == ref["text"] and ours["function"] == ref["function"]
     assert ours["transcript"] == ref["transcript"]
     np.testing.assert_allclose(ours["audio"], ref["audio"], atol=1e-3, rtol=0)
+    # Engine rows through inductor (the batch-2 graph, rows that sit out put back): each row gives what
+    # its session gives alone, eager.
+    plans = [Plan(PROMPT, 0, wave, (FRAME,)), Plan("hi", 1, synth_audio(0.8, seed=1), (FRAME, 777), start=2)]
+    for plan, events in zip(plans, run_engine(model, plans)):
+        assert_same_events(events, run_alone(eager, plan), atol=1e-3)
 
 
 def test_the_doctor_compiles_checks_against_eager_and_falls_back(ckpt_f32):
