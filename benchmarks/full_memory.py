@@ -3,6 +3,7 @@ folder in the real card's layout, then streaming frames.
 
     python -m benchmarks.full_memory                 # writes the checkpoint once (9.2 GB), then measures
     python -m benchmarks.full_memory --frames 3 --folder /big/disk/full-4bit
+    python -m benchmarks.full_memory --compile       # the same with the frame step compiled (inductor)
 
 Phase 1 (once, cached in ``--folder``): the 11B configuration with random weights in the layout of
 ``mlx-community/NemotronLabs-VoiceChat-11B-4bit`` (LLM and vocabulary matrices MLX affine 4-bit with
@@ -93,7 +94,7 @@ def write_checkpoint(folder: Path, shard_gb: float, seed: int) -> None:
     (folder / "DONE").write_text(f"{total} bytes, torch {torch.__version__}\n")
 
 
-def measure(folder: Path, frames: int, threads: int | None) -> dict:
+def measure(folder: Path, frames: int, threads: int | None, compile: bool = False) -> dict:
     """Phase 2 (run in a fresh process): load, prepare and stream ``frames`` frames under the sampler."""
     import numpy as np
     import torch
@@ -110,6 +111,8 @@ def measure(folder: Path, frames: int, threads: int | None) -> dict:
     model = nv.load_model(folder, device="cpu", prepare=False)
     sampler.mark("loaded (as stored)")
     model.prepare()
+    if compile:  # the first frame compiles the step: its peak includes the compiler's
+        model.compile_step("inductor")
     load_s = time.perf_counter() - t0
     sampler.mark("prepared")
     session = model.create_streaming_session(nv.StreamingOptions(system_prompt="you are a helpful assistant"))
@@ -136,18 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-gb", type=float, default=5.0, help="shard size when writing (the cards use 5 GB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)  # phase 2, in the child
+    p.add_argument("--compile", action="store_true", help="the frame step compiled (inductor)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     folder = Path(args.folder)
     if args.measure_only:
-        print(json.dumps(measure(folder, args.frames, args.threads)))
+        print(json.dumps(measure(folder, args.frames, args.threads, args.compile)))
         return 0
     if not (folder / "DONE").exists():
         t0 = time.perf_counter()
         write_checkpoint(folder, args.shard_gb, args.seed)
         print(f"wrote {folder} in {time.perf_counter() - t0:.0f} s")
     cmd = [sys.executable, "-m", "benchmarks.full_memory", "--measure-only", "--folder", str(folder),
-           "--frames", str(args.frames)] + (["--threads", str(args.threads)] if args.threads else [])
+           "--frames", str(args.frames)] + (["--threads", str(args.threads)] if args.threads else []) + \
+        (["--compile"] if args.compile else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"model:   {result['model']}")
