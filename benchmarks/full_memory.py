@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "benchmarks.full_memory", "--measure-only", "--folder", str(folder),
            "--frames", str(args.frames)] + (["--threads", str(args.threads)] if args.threads else []) + \
         (["--compile"] if args.compile else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 0:  # the measuring process's own error, not only its exit status
+        print(out.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"the measuring process failed (exit {out.returncode})")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"model:   {result['model']}")
     print(f"weights as held: {result['weights_mib']:.0f} MiB; load + prepare {result['load_s']:.0f} s; "
