@@ -85,7 +85,8 @@ class StepCompiler:
         mode = f", mode {self.mode}" if self.mode else ""
         backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "a custom backend")
         return (f"frame step: compiled whole (torch.compile, {backend}{mode}, fullgraph, the key/value capacity "
-                f"dynamic, batches in powers of two, each layer kind compiled once as a nested region); eager: the prompt prefill, the speaker warmup and the "
+                f"dynamic, batches in powers of two, each layer kind compiled once as a nested region); eager: "
+                f"the prompt prefill, the speaker warmup and the "
                 f"cache-free diagnostics (once per session, or diagnostics); fused CPU kernels: not used "
                 f"(the compiler fuses the composite code, the path MPS and CUDA run)")
 
