@@ -9,10 +9,12 @@ counted with torch's profiler (the dispatch-mode counter cannot see inside a com
 launch is an outermost ATen op that is not a view or an allocation, a fused ``nvchat_cpu`` op, or a
 kernel inductor generated), and the process's resident memory after each. And the compile time a
 user waits: the first compiled frame in a fresh process with empty compiler caches (cold), then again
-in a second process that finds the caches the first wrote (warm).
+in a second process that finds what the first left: the compiled step it kept
+(:mod:`nvchat_torch.compiled_step`), or with ``--no-store`` torch's on-disk caches alone.
 
     python -m benchmarks.compiled_step                 # deep preset, 4-bit, cpu, 1 thread
     python -m benchmarks.compiled_step --compile-time  # cold and warm compile, two fresh processes
+    python -m benchmarks.compiled_step --compile-time --no-store  # the same without keeping the step
 """
 
 from __future__ import annotations
@@ -92,10 +94,18 @@ def table(rows: list[dict]) -> str:
 
 
 def compile_time(path: Path, args) -> dict:
-    """The first compiled frame of a fresh process, twice, with one empty compiler cache folder: cold,
-    then warm (torch's on-disk caches: inductor's FX graph and AOTAutograd caches)."""
+    """The first compiled frame of a fresh process, twice, with one empty compiler cache folder and one
+    empty store of compiled steps: cold, then warm. With the store (the default), the warm process
+    loads the step the cold one compiled ahead and kept; with ``--no-store``
+    (``NVCHAT_TORCH_COMPILE_STORE=off``), it finds torch's on-disk caches alone (inductor's FX graph
+    and AOTAutograd caches) and traces the step again. (Each setting needs its own empty caches: a
+    graph compiled ahead is cached under other keys than one compiled on its first call.)"""
+    from nvchat_torch.compiled_step import STORE_ENV
+
     cache = tempfile.mkdtemp(prefix="nvchat_inductor_")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+    store = "off" if args.no_store else tempfile.mkdtemp(prefix="nvchat_store_")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+           STORE_ENV: store}
     times = {}
     for name in ("cold", "warm"):
         cmd = [sys.executable, "-m", "benchmarks.compiled_step", "--first-frame", str(path), "--device", args.device,
@@ -114,7 +124,9 @@ def first_frame(path: str, device: str) -> dict:
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     session.push_audio(np.zeros(FRAME, dtype=np.float32), 16000)
-    return {"first_frame_s": first, "second_frame_s": time.perf_counter() - t0}
+    second = time.perf_counter() - t0
+    compiler = model.step_compiler
+    return {"first_frame_s": first, "second_frame_s": second, "loaded": compiler.loaded, "compiled": compiler.precompiled}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile-time", action="store_true", help="cold and warm compile time, two fresh processes")
+    p.add_argument("--no-store", action="store_true", help="with --compile-time: keep no compiled step (torch's caches only)")
     p.add_argument("--first-frame", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

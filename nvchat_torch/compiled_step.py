@@ -12,6 +12,12 @@ Each kind of layer (Mamba, attention and MLP blocks, Conformer layers, the TTS's
 layers) is a nested compile region (:func:`~nvchat_torch.layers.layer_step`): traced and compiled once,
 stamped out for the other layers of its kind, which bounds the compile time of the one graph.
 
+A second process need not compile again: with inductor (and no CUDA graphs), each graph is compiled
+ahead of its first call (``aot_compile``) and kept in a store (:func:`default_store`), keyed by all it
+was made from (torch, this package's source, the machine, the model's layout, the graph's flags and
+batch), so a later process loads the graph's kernels and skips the compiler front end. torch's own
+guards, those a stored graph can keep, are still checked on every call.
+
 What it leaves eager: the prompt prefill and the speaker warmup (once per session, long sequences),
 and the cache-free diagnostics. The fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`) are not used
 under it: the compiler fuses the composite code, which is what MPS and CUDA run.
@@ -20,13 +26,23 @@ under it: the compiler fuses the composite code, which is what MPS and CUDA run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["StepCompiler", "BACKENDS", "batch_bucket"]
+__all__ = ["StepCompiler", "CompiledStep", "BACKENDS", "STORE_ENV", "batch_bucket", "default_store"]
+
+STORE_ENV = "NVCHAT_TORCH_COMPILE_STORE"
+VARIANTS = 8  # graphs kept per store key (one per set of guards), as dynamo's cache_size_limit bounds its own
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -37,17 +53,40 @@ def batch_bucket(rows: int) -> int:
     return 1 if rows <= 1 else 1 << (rows - 1).bit_length()
 
 
+def default_store() -> Path | None:
+    """Where compiled frame steps are kept for later processes: ``$NVCHAT_TORCH_COMPILE_STORE`` (a folder;
+    "off" keeps none), else ``nvchat_torch/compiled`` in ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    value = os.environ.get(STORE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nvchat_torch" / "compiled"
+
+
 @dataclass
 class StepCompiler:
     """How a model's frame steps are compiled (``load_model(..., compile=True)``; one per model, shared by
     its sessions and engines). ``backend``: torch.compile's (inductor makes kernels; "aot_eager" and
     "eager" only trace, which is what the graph counts are tested with; a callable is torch.compile's
     custom backend). ``mode``: None, or
-    ``"reduce-overhead"`` (CUDA graphs), the default on CUDA."""
+    ``"reduce-overhead"`` (CUDA graphs), the default on CUDA. ``store``: the folder compiled graphs are
+    kept in (:func:`default_store`; None keeps none), used with inductor without CUDA graphs (a stored
+    graph holds inductor's kernels; CUDA graphs are recorded in the process that runs them)."""
 
     device: torch.device
     backend: str | Callable[..., Any] = "inductor"
     mode: str | None = None
+    store: Path | None = field(default_factory=default_store)
+    loaded: int = 0  # graphs loaded from the store
+    precompiled: int = 0  # graphs compiled ahead of their first call (and stored)
+    not_stored: str | None = None  # why a graph was not stored or not loaded (the last reason)
+    ahead_failed: bool = False  # compiling ahead failed once: this model's steps take torch.compile's path
+    # The graphs loaded or compiled ahead, by what picks them (flags, batch): shared by the model's frame
+    # steps (a graph takes its frame step as an argument, and its guards check that step's caches).
+    graphs: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A compiled graph's guards save the frame step's objects, this one among them: without the graphs.
+        return {k: v for k, v in vars(self).items() if k != "graphs"}
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
@@ -70,9 +109,14 @@ class StepCompiler:
                 fx.patch(use_duck_shape=False), inductor.patch(emulate_precision_casts=True):  # type: ignore[attr-defined]
             yield
 
-    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    @property
+    def stores(self) -> bool:
+        """Whether graphs are compiled ahead and kept (see ``store``)."""
+        return self.store is not None and self.backend == "inductor" and self.mode is None and not self.ahead_failed
+
+    def wrap(self, step: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         """``step`` compiled whole: no graph break is allowed inside it."""
-        return torch.compile(step, fullgraph=True, backend=self.backend, mode=self.mode)
+        return torch.compile(step, fullgraph=True, backend=self.backend, mode=self.mode, options=options or None)
 
     @staticmethod
     def mark_capacity(tensors: list[torch.Tensor], dim: int = 2) -> None:
@@ -82,11 +126,211 @@ class StepCompiler:
             torch._dynamo.mark_dynamic(t, dim)
 
     def describe(self) -> str:
+        if self.store is None:
+            kept = "; compiled graphs not kept (no store)"
+        elif self.backend != "inductor" or self.mode is not None:
+            kept = "; compiled graphs not kept (kept only with inductor, without CUDA graphs)"
+        else:
+            kept = f"; compiled graphs kept in {self.store} ({self.loaded} loaded, {self.precompiled} compiled here)"
+        if self.not_stored:
+            kept += f"; {self.not_stored}"
         mode = f", mode {self.mode}" if self.mode else ""
         backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "a custom backend")
         return (f"frame step: compiled whole (torch.compile, {backend}{mode}, fullgraph, the key/value capacity "
                 f"dynamic, batches in powers of two, each layer kind compiled once as a nested region); eager: "
                 f"the prompt prefill, the speaker warmup and the "
                 f"cache-free diagnostics (once per session, or diagnostics); fused CPU kernels: not used "
-                f"(the compiler fuses the composite code, the path MPS and CUDA run)")
+                f"(the compiler fuses the composite code, the path MPS and CUDA run){kept}")
 
+
+
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
+          "_has_dynamo_dim_marking")
+
+
+class CompiledStep:
+    """A frame step's device part (``device_step(step, stamps)``, a bound method) compiled whole, and
+    called as ``compiled(step)``. ``dynamic()`` gives the key/value buffers whose capacity (dim 2) is
+    dynamic; :meth:`buffers_changed` says they were replaced (grown, or a new batch).
+
+    With a store (:attr:`StepCompiler.stores`), each graph (one per flags and batch) is compiled ahead
+    (``aot_compile``) the first time it is needed, saved, and loaded by later processes. Only the
+    guards a saved graph can hold are kept (tensor layouts, constants, shapes; not object identities,
+    which a new process cannot match): the store's key stands for the rest. Where compiling ahead
+    fails (an experimental torch API), the step falls back to ``torch.compile``'s own path, which
+    traces in every process, and :meth:`StepCompiler.describe` says why."""
+
+    def __init__(self, compiler: StepCompiler, device_step: Callable[..., torch.Tensor],
+                 dynamic: Callable[[], list[torch.Tensor]]) -> None:
+        self.compiler, self.dynamic = compiler, dynamic
+        self.function, self.owner = device_step.__func__, device_step.__self__  # type: ignore[attr-defined]
+        self.traced: Callable[..., torch.Tensor] | None = None  # torch.compile's path (no store, or it failed)
+        self.unmarked = True
+        self._fixed: list[str] | None = None  # the store key's parts that do not change (see _key)
+
+    def buffers_changed(self) -> None:
+        self.unmarked = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A compiled graph's guards save the frame step's objects, this one among them: nothing of it is
+        # guarded (the step does not read it), and its compiled functions cannot be saved.
+        return {}
+
+    def __call__(self, step: Any, picks: Hashable) -> torch.Tensor:
+        """The step's packed output. ``picks``: what picks its graph (the flags and the batch)."""
+        with self.compiler.settings():
+            if self.traced is None and self.compiler.stores:
+                try:
+                    return self._stored(step, picks)
+                except _CannotStore as e:
+                    self.compiler.ahead_failed = True
+                    self.compiler.not_stored = f"not kept after all: compiled in each process instead ({e})"
+                    warnings.warn(f"nvchat_torch: the frame step is not kept compiled: {e}", stacklevel=2)
+            if self.traced is None:
+                self.traced = self.compiler.wrap(self.function.__get__(self.owner))
+            if self.unmarked:  # new buffers: their capacity is dynamic to the compiler
+                self.compiler.mark_capacity(self.dynamic())
+                self.unmarked = False
+            return self.traced(step, None)
+
+    # ---- the store
+    def _stored(self, step: Any, picks: Hashable) -> torch.Tensor:
+        args = (self.owner, step, None)
+        graphs = self.compiler.graphs.setdefault(picks, [])
+        # The first graph whose guards hold (as dynamo keeps one cache entry per set of guards: two
+        # sessions whose constants differ, say turn-taking settings, each get theirs).
+        graph = next((g for g in graphs if g.guard_check(*args)), None)
+        if graph is None:
+            key = self._key(step)
+            graph = self._load(key, args) or self._precompile(key, args)
+            graphs.append(graph)
+        return graph.fn(*args)
+
+    def _variants(self, key: str) -> list[Path]:
+        """The store's files for ``key``: the graphs compiled for it, one per set of guards, at most
+        :data:`VARIANTS` (a further one replaces the last)."""
+        assert self.compiler.store is not None
+        return [self.compiler.store / f"frame-step-{key}{f'-{n}' if n else ''}.bin" for n in range(VARIANTS)]
+
+    def _load(self, key: str, args: tuple) -> Any:
+        from torch._guards import TracingContext, tracing
+
+        for path in self._variants(key):
+            if not path.is_file():
+                return None
+            try:
+                # torch 2.13 rebuilds some guard sources (imported modules) by installing a guard, which
+                # needs a tracing context: an empty one serves.
+                with tracing(TracingContext(None)), path.open("rb") as f:
+                    graph: Any = torch.compiler.load_compiled_function(f)
+            except Exception as e:  # noqa: BLE001 - a stale or broken file is compiled again and replaced
+                self.compiler.not_stored = f"{path.name} could not be loaded ({type(e).__name__}: {e}); compiled again"
+                path.unlink(missing_ok=True)
+                return None
+            if graph.guard_check(*args):
+                self.compiler.loaded += 1
+                return graph
+        return None
+
+    def _precompile(self, key: str, args: tuple) -> Any:
+        buffers = self.dynamic()
+        self.compiler.mark_capacity(buffers)  # traced with their capacity dynamic ...
+        try:
+            compiled: Any = self.compiler.wrap(self.function, guard_filter_fn=_storable_guards)
+            graph = compiled.aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 - torch.compile's own path is the fallback
+            raise _CannotStore(f"aot_compile failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        finally:
+            # ... and then unmarked: a stored graph's guards (torch 2.13) expect the buffers unmarked.
+            for t in buffers:
+                for name in _MARKS:
+                    if hasattr(t, name):
+                        delattr(t, name)
+        self.compiler.precompiled += 1
+        variants = self._variants(key)
+        path = next((p for p in variants if not p.is_file()), variants[-1])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path))  # written to a temporary file, then renamed
+        except Exception as e:  # noqa: BLE001 - it still runs here; a later process compiles again
+            self.compiler.not_stored = f"{path.name} could not be saved ({type(e).__name__}: {e})"
+        return graph
+
+    def _key(self, step: Any) -> str:
+        """Everything the step's graph is made from, hashed: torch and this package's source, the device
+        and machine, the compiler's settings, the model (its configuration, the layout of every
+        parameter and buffer, and its modules' plain settings), and the step's flags and layout."""
+        if self._fixed is None:
+            self._fixed = [torch.__version__, _package_digest(), str(self.compiler.device), _machine(self.compiler.device),
+                           repr(self.compiler.backend), repr(self.compiler.mode), _model_digest(self.owner.model)]
+        parts = self._fixed + [_inductor_settings(), _layout(step)]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+class _CannotStore(Exception):
+    pass
+
+
+def _storable_guards(entries: list[Any]) -> list[bool]:
+    """The guards a stored graph keeps: not those on globals, object identities or versions (a new
+    process's objects are new), which torch cannot save; the store's key stands for them."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [not (e.is_global or e.guard_type in unsaved or unsaved.intersection(e.derived_guard_types)) for e in entries]
+
+
+@functools.cache
+def _package_digest() -> str:
+    """This package's Python source, hashed: a stored graph is this code traced."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _machine(device: torch.device) -> str:
+    """What a CPU graph's kernels were built for (inductor compiles them for this machine's vector ISA)."""
+    if device.type != "cpu":
+        return platform.machine()
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"{platform.machine()} {pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
+
+
+def _inductor_settings() -> str:
+    """Inductor's settings that are plain values (the ones code generation reads)."""
+    import torch._inductor.config as inductor
+
+    portable = inductor.save_config_portable()  # type: ignore[attr-defined]
+    return repr(sorted((k, v) for k, v in portable.items() if _plain(v)))
+
+
+def _model_digest(model: torch.nn.Module) -> str:
+    """A model as a graph sees it: its configuration, each parameter's and buffer's name, shape and dtype,
+    and each module's plain settings (flags, sizes, constants)."""
+    h = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    for name, module in model.named_modules():
+        settings = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v))
+        tensors = [(k, tuple(t.shape), t.dtype) for k, t in list(module._parameters.items()) + list(module._buffers.items())
+                   if t is not None]
+        h.update(repr((name, type(module).__qualname__, settings, tensors)).encode())
+    return h.hexdigest()
+
+
+def _layout(value: Any) -> str:
+    """A step's inputs as the graph sees them: tensors by shape and dtype, dataclasses field by field."""
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.dtype}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"{type(value).__name__}(" + ",".join(_layout(getattr(value, f.name)) for f in dataclasses.fields(value)) + ")"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_layout(v) for v in value) + "]"
+    return repr(value)

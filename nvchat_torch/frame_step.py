@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .compiled_step import batch_bucket
+from .compiled_step import CompiledStep, batch_bucket
 from .conformer import ConformerRows
 from .diagnostics import return_freed_memory, synchronize
 from .frame_layout import (DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, LLM_POSITION,
@@ -174,9 +174,9 @@ class FrameStep:
         self.layout = PackedLayout(cfg.audio_config.max_symbols, cfg.tts_config.num_quantizers, cfg.output_frame_samples)
         compiler: StepCompiler | None = getattr(model, "step_compiler", None)
         self.compiler = compiler if perception_cache and language_cache else None
-        self._compiled = None if self.compiler is None else self.compiler.wrap(self._device_step)
+        self._compiled = None if self.compiler is None else \
+            CompiledStep(self.compiler, self._device_step, self._capacity_buffers)
         self._rounds_keys = False  # a row's LLM keys were rounded to bf16 (compiled: the rounding stays in its graph)
-        self._unmarked = True  # buffers the compiler has not been told are dynamic
         # The cache-free diagnostics (one row): the audio window, and the LLM inputs so far.
         self._window_samples = self._perception.uncached_window_frames * cfg.input_frame_samples
         self._audio_window = torch.zeros(0, dtype=torch.float32, device=self.device)
@@ -201,7 +201,12 @@ class FrameStep:
         self._codes = self._silence.repeat(batch, 1, 1)
         self._codec_cache = self._codec.new_cache(batch)
         self._turns = None
-        self._unmarked = True
+        if self._compiled is not None:
+            self._compiled.buffers_changed()
+
+    def _capacity_buffers(self) -> list[torch.Tensor]:
+        """The key/value buffers whose capacity (dim 2) grows by blocks: dynamic to the compiler."""
+        return self._language.tensors() + self._tts.keys + self._tts.values
 
     def _recurrent(self) -> list[tuple[_Ref, int, int]]:
         """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
@@ -229,7 +234,8 @@ class FrameStep:
         """Room for ``rows`` slots (compiled: the next power of two): rows added at the end (zeros), or the
         last ones dropped (freed)."""
         batch = rows if self.compiler is None else batch_bucket(rows)
-        self._unmarked = True
+        if self._compiled is not None:
+            self._compiled.buffers_changed()
         for ref, axis, per in self._buffers():
             t = _get(ref)
             have = t.shape[axis] // per
@@ -382,8 +388,7 @@ class FrameStep:
             if step.marks:
                 packed = self._device_step(step, stamps)
             elif self._compiled is not None:
-                with self.compiler.settings():
-                    packed = self._compiled(step, None)
+                packed = self._compiled(step, (step.flags, self.batch))
             else:
                 packed = self._device_step(step, None)
             values = packed.numpy(force=True)  # the one host read
@@ -455,9 +460,8 @@ class FrameStep:
             grew = self._tts.reserve(int(ints[TTS_POSITION].max()) + 1)
             if self.language_cache:
                 grew |= self._language.reserve(int(ints[LLM_POSITION].max()) + 1)
-            if static and (grew or self._unmarked):  # new buffers: their capacity is dynamic to the compiler
-                self.compiler.mark_capacity(self._language.tensors() + self._tts.keys + self._tts.values)
-                self._unmarked = False
+            if grew and self._compiled is not None:  # new buffers (their capacity is dynamic to the compiler)
+                self._compiled.buffers_changed()
             table, row_numbers, tts_positions, tts_ring, conformer_slot, conformer_columns, *hold = \
                 torch.from_numpy(np.concatenate(host)).to(device).split(sizes)
             draws = None

@@ -241,6 +241,26 @@ def _aten(name: str) -> Callable:
     return functools.partial(_call_aten, name)  # looked up when called (a build may lack it); picklable
 
 
+@torch.library.custom_op("nvchat::int4pack_mm_cpu", mutates_args=())
+def _int4pack_mm_cpu_opaque(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+@_int4pack_mm_cpu_opaque.register_fake
+def _(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)  # its meta
+
+
+def _cpu_int4pack_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    """The CPU int4pack matmul. Under ``torch.compile``, as an op the compiler cannot see into: torch 2.13's
+    inductor lowers ``_weight_int4pack_mm_for_cpu`` with its group size as a graph constant, and the
+    full-size card's compiled step (the op inside the layers' nested regions) failed there ("group size
+    must be a scalar"); called as an opaque op, the same kernel runs with the group size as given."""
+    if torch.compiler.is_compiling():
+        return _int4pack_mm_cpu_opaque(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
 def int4_kernel(device_type: str, stand_in: bool = False) -> Int4Kernel | None:
     """The int4pack kernel of ``device_type`` ("cpu", "mps", "cuda"; None for others), or with
     ``stand_in`` its pure-torch model (mps and cuda only: the CPU op runs on every CPU)."""
@@ -252,8 +272,7 @@ def int4_kernel(device_type: str, stand_in: bool = False) -> Int4Kernel | None:
     if device_type == "cpu":
         if stand_in:
             raise ValueError("int4_kernel: the CPU kernel needs no stand-in (every CPU build has it)")
-        return Int4Kernel("cpu", _aten("_convert_weight_to_int4pack_for_cpu"), _aten("_weight_int4pack_mm_for_cpu"),
-                          dtypes)
+        return Int4Kernel("cpu", _aten("_convert_weight_to_int4pack_for_cpu"), _cpu_int4pack_mm, dtypes)
     if stand_in:
         models = {"mps": (mps_convert_weight_to_int4pack, mps_weight_int4pack_mm),
                   "cuda": (cuda_convert_weight_to_int4pack, cuda_weight_int4pack_mm)}[device_type]

@@ -21,6 +21,21 @@ _REFERENCES: dict[tuple[str, bool], Reference] = {}
 _SKIPPED: list[str] = []
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_store(tmp_path_factory):
+    """The compiled frame steps the tests store (nvchat_torch.compiled_step.default_store) go to a
+    folder of this run's, not the user's cache."""
+    from nvchat_torch.compiled_step import STORE_ENV
+
+    before = os.environ.get(STORE_ENV)
+    os.environ[STORE_ENV] = str(tmp_path_factory.mktemp("compiled"))
+    yield Path(os.environ[STORE_ENV])
+    if before is None:
+        del os.environ[STORE_ENV]
+    else:
+        os.environ[STORE_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """``make_checkpoint(**TinySpec fields) -> Path``, built once per session per spec."""
@@ -70,6 +85,23 @@ def pytest_sessionstart(session):
     from nvchat_torch import cpu_kernels
 
     cpu_kernels.status()
+
+
+# Tests that pace audio in wall-clock time (servers, voice-agent frameworks, the browser, the command line
+# against a live server) and bound how late a frame may come. .ci/run runs the rest on two processes
+# (pytest-xdist) and these afterwards on their own, so that no other test's work delays their frames.
+REALTIME_MODULES = {"test_server", "test_server_safety", "test_server_fuzz", "test_server_requests", "test_server_turns",
+                    "test_pipecat", "test_livekit", "test_browser", "test_cli"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "realtime: paced in wall-clock time; .ci/run runs these on their own")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in REALTIME_MODULES:
+            item.add_marker(pytest.mark.realtime)
 
 
 def pytest_runtest_logreport(report):

@@ -156,6 +156,21 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     plans = [Plan(PROMPT, 0, wave, (FRAME,)), Plan("hi", 1, synth_audio(0.8, seed=1), (FRAME, 777), start=2)]
     for plan, events in zip(plans, run_engine(model, plans)):
         assert_same_events(events, run_alone(eager, plan), atol=1e-3)
+    # The graphs were stored (compiled ahead): a later load finds them, and runs without compiling (the
+    # compiler's front end traces nothing), the reference's outputs again, and past both caches' growth.
+    # (Three frame steps ran: two sessions and the engine; the sessions share the batch-1 graph.)
+    assert model.step_compiler.precompiled == 2 and model.step_compiler.loaded == 0, model.describe()
+    from torch._dynamo.utils import counters
+
+    traced = counters["stats"]["unique_graphs"]
+    later = nv.load_model(path, device="cpu", compile=True)
+    again = run_stream(later, wave, PROMPT)
+    np.testing.assert_array_equal(again["codes"], ours["codes"])
+    assert (again["text"], again["function"], again["transcript"]) == (ours["text"], ours["function"], ours["transcript"])
+    long = Plan(PROMPT, 0, synth_audio(24.0, seed=2), (FRAME,))  # 300 frames: the LLM and TTS caches grow
+    assert_same_events(run_alone(later, long), run_alone(eager, long), atol=1e-3)
+    assert later.step_compiler.loaded == 1 and later.step_compiler.precompiled == 0, later.describe()
+    assert counters["stats"]["unique_graphs"] == traced
 
 
 def test_the_doctor_compiles_checks_against_eager_and_falls_back(ckpt_f32):
@@ -177,3 +192,32 @@ def test_the_doctor_compiles_checks_against_eager_and_falls_back(ckpt_f32):
     section = out.split("### Compiled frame step (--compile)")[1]
     assert "compiling failed: " in section and "RuntimeError: no Metal shader compiler" in section
     assert "the model runs eager" in section and "frame step: eager" in out.split("### Model")[1]
+
+
+def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_again(tmp_path, monkeypatch):
+    """Where compiled graphs are kept (``NVCHAT_TORCH_COMPILE_STORE``, else the user's cache), that only
+    inductor without CUDA graphs keeps them, and that a stored file that cannot be loaded is reported
+    and compiled again (not raised, not run)."""
+    from nvchat_torch.compiled_step import STORE_ENV, CompiledStep, StepCompiler, default_store
+
+    monkeypatch.setenv(STORE_ENV, "off")
+    assert default_store() is None and "not kept (no store)" in StepCompiler(torch.device("cpu")).describe()
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    assert default_store() == tmp_path
+    monkeypatch.delenv(STORE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_store() == tmp_path / "xdg" / "nvchat_torch" / "compiled"
+    assert StepCompiler(torch.device("cpu"), store=tmp_path).stores
+    assert not StepCompiler(torch.device("cpu"), "aot_eager", store=tmp_path).stores
+    assert not StepCompiler(torch.device("cpu"), mode="reduce-overhead", store=tmp_path).stores
+
+    class Owner:
+        def step(self, step, stamps):
+            return step
+
+    compiler = StepCompiler(torch.device("cpu"), store=tmp_path)
+    compiled = CompiledStep(compiler, Owner().step, list)
+    broken = compiled._variants("k")[0]
+    broken.write_bytes(b"not a compiled graph")
+    assert compiled._load("k", ()) is None and compiler.loaded == 0 and not broken.exists()
+    assert "frame-step-k.bin could not be loaded" in compiler.describe() and "compiled again" in compiler.describe()
