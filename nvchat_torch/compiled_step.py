@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from .diagnostics import return_freed_memory
+
 __all__ = ["StepCompiler", "CompiledStep", "BACKENDS", "STORE_ENV", "batch_bucket", "default_store"]
 
 STORE_ENV = "NVCHAT_TORCH_COMPILE_STORE"
@@ -83,6 +85,7 @@ class StepCompiler:
     # The graphs loaded or compiled ahead, by what picks them (flags, batch): shared by the model's frame
     # steps (a graph takes its frame step as an argument, and its guards check that step's caches).
     graphs: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+    key_base: list[str] | None = field(default=None, repr=False)  # the store key's parts fixed for the model
 
     def __getstate__(self) -> dict[str, Any]:
         # A compiled graph's guards save the frame step's objects, this one among them: without the graphs.
@@ -93,6 +96,8 @@ class StepCompiler:
             raise ValueError(f"compile: the backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.mode is None and self.device.type == "cuda" and self.backend == "inductor":
             self.mode = "reduce-overhead"
+        if self.stores:
+            _package_digest()  # the source as loaded now, not as it may be on disk at the first frame
 
     @contextlib.contextmanager
     def settings(self) -> Iterator[None]:
@@ -166,7 +171,6 @@ class CompiledStep:
         self.function, self.owner = device_step.__func__, device_step.__self__  # type: ignore[attr-defined]
         self.traced: Callable[..., torch.Tensor] | None = None  # torch.compile's path (no store, or it failed)
         self.unmarked = True
-        self._fixed: list[str] | None = None  # the store key's parts that do not change (see _key)
 
     def buffers_changed(self) -> None:
         self.unmarked = True
@@ -178,14 +182,27 @@ class CompiledStep:
 
     def __call__(self, step: Any, picks: Hashable) -> torch.Tensor:
         """The step's packed output. ``picks``: what picks its graph (the flags and the batch)."""
-        with self.compiler.settings():
-            if self.traced is None and self.compiler.stores:
+        if self.traced is None and self.compiler.stores:
+            args = (self.owner, step, None)
+            graphs = self.compiler.graphs.setdefault(picks, [])
+            # The first graph whose guards hold (as dynamo keeps one cache entry per set of guards: two
+            # sessions whose constants differ, say turn-taking settings, each get theirs). A graph found
+            # runs without the compiler's settings, which only tracing and code generation read.
+            graph = next((g for g in graphs if g.guard_check(*args)), None)
+            if graph is None:
                 try:
-                    return self._stored(step, picks)
+                    with self.compiler.settings():
+                        key = self._key(step)
+                        graph = self._load(key, args) or self._precompile(key, args)
+                    graphs.append(graph)
+                    return_freed_memory()  # the compiler's (or the file's) transients, which glibc would keep
                 except _CannotStore as e:
                     self.compiler.ahead_failed = True
                     self.compiler.not_stored = f"not kept after all: compiled in each process instead ({e})"
                     warnings.warn(f"nvchat_torch: the frame step is not kept compiled: {e}", stacklevel=2)
+            if graph is not None:
+                return graph.fn(*args)
+        with self.compiler.settings():  # torch.compile's path may trace again on any call
             if self.traced is None:
                 self.traced = self.compiler.wrap(self.function.__get__(self.owner))
             if self.unmarked:  # new buffers: their capacity is dynamic to the compiler
@@ -194,18 +211,6 @@ class CompiledStep:
             return self.traced(step, None)
 
     # ---- the store
-    def _stored(self, step: Any, picks: Hashable) -> torch.Tensor:
-        args = (self.owner, step, None)
-        graphs = self.compiler.graphs.setdefault(picks, [])
-        # The first graph whose guards hold (as dynamo keeps one cache entry per set of guards: two
-        # sessions whose constants differ, say turn-taking settings, each get theirs).
-        graph = next((g for g in graphs if g.guard_check(*args)), None)
-        if graph is None:
-            key = self._key(step)
-            graph = self._load(key, args) or self._precompile(key, args)
-            graphs.append(graph)
-        return graph.fn(*args)
-
     def _variants(self, key: str) -> list[Path]:
         """The store's files for ``key``: the graphs compiled for it, one per set of guards, at most
         :data:`VARIANTS` (a further one replaces the last)."""
@@ -260,10 +265,11 @@ class CompiledStep:
         """Everything the step's graph is made from, hashed: torch and this package's source, the device
         and machine, the compiler's settings, the model (its configuration, the layout of every
         parameter and buffer, and its modules' plain settings), and the step's flags and layout."""
-        if self._fixed is None:
-            self._fixed = [torch.__version__, _package_digest(), str(self.compiler.device), _machine(self.compiler.device),
-                           repr(self.compiler.backend), repr(self.compiler.mode), _model_digest(self.owner.model)]
-        parts = self._fixed + [_inductor_settings(), _layout(step)]
+        compiler = self.compiler
+        if compiler.key_base is None:  # computed once per model, on its first miss
+            compiler.key_base = [torch.__version__, _package_digest(), str(compiler.device), _machine(compiler.device),
+                                 repr(compiler.backend), repr(compiler.mode), _model_digest(self.owner.model)]
+        parts = compiler.key_base + [_inductor_settings(), _layout(step)]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -60,9 +60,27 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+@torch.library.custom_op("nvchat::linear_float32", mutates_args=())
+def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), _as(bias, torch.float32))
+
+
+@_linear_float32.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in the promoted dtype; bf16/fp16 accumulate in float32, one rounding."""
+    """``x @ weight.T + bias`` in the promoted dtype; bf16/fp16 accumulate in float32, one rounding.
+
+    A bf16/fp16 weight is upcast for each call and the copy freed after it. Under ``torch.compile`` that
+    call is one opaque op (``nvchat::linear_float32``, the same two torch ops): inductor otherwise merges
+    the upcasts of a weight that a frame reads several times (the MoG head's layers, once per draw) into
+    one kernel and keeps each float32 copy alive until its last use, which held ~150 MB more at the
+    full size's peak (docs/performance.md, "Full-size memory")."""
     dtype = promoted(x, weight, bias)
+    if weight.dtype in REDUCED and torch.compiler.is_compiling():
+        return _linear_float32(x, weight, bias).to(dtype)
     if dtype in REDUCED:
         return F.linear(x.float(), weight.float(), _as(bias, torch.float32)).to(dtype)
     return F.linear(_as(x, dtype), _as(weight, dtype), _as(bias, dtype))

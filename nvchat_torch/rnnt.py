@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import RnntDecoderConfig, RnntJointConfig
-from .layers import Linear, adopt, linear
+from .layers import Linear, adopt, layer_step, linear
 
 __all__ = ["RnntDecoder", "FusedRnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
            "is_special_piece", "decode_pieces"]
@@ -188,19 +188,15 @@ class RnntTranscriber(nn.Module):
         (updated) -> ``[max_symbols, B]`` long ids (-1 = none); rows decode independently. Special pieces
         (language tags, <unk>) are returned too: they advance the prediction network, and
         :class:`TranscriptText` leaves them out of the text."""
-        decoder, layers = self.decoder, self.decoder.layers
-        pred = self.joint.pred
+        decoder, pred = self.decoder, self.joint.pred
         # enc(e) + pred(p) as one addmm per symbol: the frame's projection rides in the bias.
         frame_bias = self.joint.enc(encoded.reshape(encoded.shape[0], -1)) + pred.bias
         hc = state.hc
-        active = None
+        active: torch.Tensor | None = None
         tokens, kept = [], []
+        symbol = _symbol_step_region if torch.compiler.is_compiling() else _symbol_step
         for _ in range(self.max_symbols):
-            token = self.joint.joint_net(linear(hc[-1], pred.weight, frame_bias)).argmax(dim=-1)  # [B]
-            emitted = token != self.blank_id
-            active = emitted if active is None else active & emitted
-            # The candidate state is computed every time and kept only while tokens are being emitted.
-            hc = torch.where(active[:, None], decoder.step(decoder.input_gates(token), hc[:2 * layers], with_output=True), hc)
+            token, active, hc = symbol(decoder, self.joint.joint_net, pred.weight, frame_bias, hc, active, self.blank_id)
             tokens.append(token)
             kept.append(active)
         state.hc = hc
@@ -257,3 +253,20 @@ class TranscriptText:
         self._space = tail[len(delta):] if delta or self.text else ""
         self.text += delta
         return delta, self.text
+
+
+def _symbol_step(decoder: RnntDecoder, joint_net: nn.Module, pred_weight: torch.Tensor, frame_bias: torch.Tensor,
+                 hc: torch.Tensor, active: torch.Tensor | None, blank_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One symbol of a frame's greedy decoding: the joint's argmax ``[B]``, the rows still emitting
+    (``active``: None before the first symbol) and the LSTM state, advanced where they are."""
+    token = joint_net(linear(hc[-1], pred_weight, frame_bias)).argmax(dim=-1)  # [B]
+    emitted = token != blank_id
+    active = emitted if active is None else active & emitted
+    # The candidate state is computed every time and kept only while tokens are being emitted.
+    step = decoder.step(decoder.input_gates(token), hc[:2 * decoder.layers], with_output=True)
+    return token, active, torch.where(active[:, None], step, hc)
+
+
+# Compiled, a symbol is a nested region (layers.layer_step): two variants (the first symbol, the
+# others) instead of ``max_symbols`` copies of the same kernels.
+_symbol_step_region = layer_step(_symbol_step)

@@ -27,7 +27,8 @@ from . import cpu_kernels
 from .codec import Codec
 from .config import CodecConfig, TTSConfig
 from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache, TTSRows
-from .layers import FusedOnCpu, Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, squared_norms, swap_modules
+from .layers import (FusedOnCpu, Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, layer_step, squared_norms,
+                     swap_modules)
 from .mog import Draws, FusedMoGHead, Generators, MoGHead, sample_component
 from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
                       GatedFusion)
@@ -230,10 +231,10 @@ class EarTTS(nn.Module):
         n]`` pieces, ``count`` columns in all) and, if ``accumulate``, ``decided`` plus the chosen rows in
         order (else ``decided``)."""
         books, sq_norms = self.codebooks()
+        nearest = _nearest_row_region if torch.compiler.is_compiling() else _nearest_row
         picked = []
         for q in range(start, start + count):
-            index = torch.addmm(sq_norms[q], residual, books[q].T, alpha=-2.0).argmin(-1)  # [B]
-            row = books[q].index_select(0, index)
+            index, row = nearest(residual, books[q], sq_norms[q])
             picked.append(index[:, None])
             if q + 1 < start + count:
                 residual = residual - row
@@ -248,6 +249,17 @@ class EarTTS(nn.Module):
         ``rows``)."""
         return self.generate_codes(self.forward_step(prev_codes, text_id, cache, rows), generator, deterministic,
                                    batched=rows is not None)
+
+
+def _nearest_row(residual: torch.Tensor, book: torch.Tensor, sq_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codebook row nearest each residual (``[B, latent]`` float32): its index ``[B]`` and the row."""
+    index = torch.addmm(sq_norms, residual, book.t(), alpha=-2.0).argmin(-1)
+    return index, book.index_select(0, index)
+
+
+# Compiled, one quantizer's search is a nested region (layers.layer_step): compiled once for all 31,
+# where each quantizer's own kernels would differ only in their codebook's offset (~30 C++ kernels).
+_nearest_row_region = layer_step(_nearest_row)
 
 
 class FusedEarTTS(EarTTS, FusedOnCpu):

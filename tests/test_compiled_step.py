@@ -62,11 +62,15 @@ def test_the_step_is_one_graph_with_no_break_and_compiles_once_over_a_long_sessi
     session.push_audio(wave[:FRAME], 16000)  # the warm-up frame compiles the step
     assert backend.batches == [1] and not counters["graph_break"]
     # Each layer kind with more than one layer is one nested region, traced once and called per layer
-    # (dynamo inlines a region called once): the tiny LLM's 4 Mamba and 3 MLP blocks, its 2 Conformer layers.
-    llm = model.config.text_config.hybrid_override_pattern
-    assert (llm.count("M"), llm.count("-"), model.config.audio_config.encoder.n_layers) == (4, 3, 2)
+    # (dynamo inlines a region called once): the tiny LLM's 4 Mamba and 3 MLP blocks, its 2 Conformer
+    # layers; and so are the loops over repeated work: the RNNT's symbols after the first (of 10) and
+    # the codebook search of each of the 31 quantizers.
+    config = model.config
+    llm = config.text_config.hybrid_override_pattern
+    assert (llm.count("M"), llm.count("-"), config.audio_config.encoder.n_layers) == (4, 3, 2)
+    assert (config.audio_config.max_symbols, config.tts_config.num_quantizers) == (10, 31)
     calls = backend.regions[0]
-    assert len(calls) == 9 and sorted(calls.count(name) for name in set(calls)) == [2, 3, 4], calls
+    assert len(calls) == 49 and sorted(calls.count(name) for name in set(calls)) == [2, 3, 4, 9, 31], calls
     capacities = {(step._language.capacity, step._tts.capacities()[0])}
     reads = []
     for k in range(1, 2000):
@@ -221,3 +225,29 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
     broken.write_bytes(b"not a compiled graph")
     assert compiled._load("k", ()) is None and compiler.loaded == 0 and not broken.exists()
     assert "frame-step-k.bin could not be loaded" in compiler.describe() and "compiled again" in compiler.describe()
+
+
+def test_a_weight_read_twice_is_not_held_upcast_between_its_reads():
+    """A bf16 weight that a step reads twice (the MoG head's layers, once per draw) is upcast for each
+    read and the float32 copy freed, as eager does: inductor would otherwise make both upcasts in one
+    kernel and hold the second copy until its use (~150 MB more at the full size's peak). The compiled
+    result equals eager's bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nvchat_torch import layers
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 256, generator=gen).to(torch.bfloat16)
+    down = torch.randn(256, 512, generator=gen).to(torch.bfloat16)
+
+    def two_draws(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):  # the same weights each draw
+            x = x + layers.linear(torch.relu(layers.linear(x, weight)), down)
+        return x
+
+    x = torch.randn(2, 256, generator=gen)
+    got, (code, *_) = run_and_get_code(torch.compile(two_draws, fullgraph=True, backend="inductor"), x)
+    assert torch.equal(got, two_draws(x))
+    assert code.count("= torch.ops.nvchat.linear_float32.default(") == 4  # one upcast per read
+    # no buffer of a weight's size: the graph holds only activations ([2, 512] at most)
+    assert "empty_strided_cpu((512, 256)" not in code and "empty_strided_cpu((256, 512)" not in code
