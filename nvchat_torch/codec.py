@@ -295,7 +295,7 @@ class Codec(nn.Module, FusedOnCpu):
         if config.n_fft % config.hop_length or config.n_fft <= config.hop_length:
             raise ValueError(f"codec n_fft {config.n_fft} must be a larger multiple of hop_length {config.hop_length}")
         self.config = config
-        self.encoder = AudioEncoder(config)
+        self.encoder: AudioEncoder | None = AudioEncoder(config)  # None once released (release_encoder)
         self.decoder = AudioDecoder(config)
         self.prvq = ResidualVectorQuantizer(config)
         self.samples_per_frame = config.samples_per_frame
@@ -468,7 +468,16 @@ class Codec(nn.Module, FusedOnCpu):
         if waveform.shape[-1] < self.samples_per_frame:
             raise ValueError(f"waveform has {waveform.shape[-1]} samples; encoding needs at least one codec frame "
                              f"({self.samples_per_frame} samples)")
+        if self.encoder is None:
+            raise RuntimeError("the codec's encoder was released by the model's prepare() (streaming uses it only "
+                               "for the speaker prompt, made there); to encode audio (training labels), load the "
+                               "model with prepare=False")
         return self.encoder(self._spectrogram(waveform)).transpose(1, 2)
+
+    def release_encoder(self) -> None:
+        """Free the encoder's weights (175 MiB bf16 at full size): a streaming model needs it only for the
+        speaker prompt, which the model's ``prepare()`` makes first."""
+        self.encoder = None
 
     def encode(self, waveform: torch.Tensor) -> torch.Tensor:
         """``[B, 1, S]`` waveform -> ``[B, 31, S // 1764]`` codes (long)."""

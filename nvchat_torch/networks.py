@@ -123,6 +123,10 @@ class VoiceChatNetworks(nn.Module):
             for module in self.modules():  # each module that has a fused step decides on its own tensors
                 if isinstance(module, FusedOnCpu):
                     module.use_cpu_kernels()
+        # Streaming runs the codec's encoder once, for the speaker prompt (deterministic per checkpoint):
+        # made now, the encoder is released, as the heads were above (175 MiB at full size).
+        self.tts_prompt()
+        self.tts_model.audio_codec.release_encoder()
         return_freed_memory()
         self.prepared = True
         return self.requires_grad_(False)  # the fused modules' new parameters too
@@ -194,11 +198,14 @@ class VoiceChatNetworks(nn.Module):
         return self.stt_model.lm_head, self.stt_model.function_head
 
     def tts_prompt(self) -> TTSPrompt:
-        """The speaker warmup prompt: deterministic per checkpoint, so computed once (it runs the codec encoder)."""
+        """The speaker warmup prompt: deterministic per checkpoint, so computed once (it runs the codec
+        encoder; :meth:`prepare` makes it, then releases the encoder), on the model's device."""
         if self._tts_prompt is None:
             with torch.inference_mode():
                 self._tts_prompt = self.tts_model.prompt()
             return_freed_memory()  # the codec encoder's transients (~280 MB of heap at full size, kept by glibc)
+        elif self._tts_prompt.codes.device != self.device:  # the model moved since
+            self._tts_prompt = self._tts_prompt.to(self.device)
         return self._tts_prompt
 
     def describe(self) -> str:

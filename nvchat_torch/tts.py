@@ -67,6 +67,10 @@ class TTSPrompt:
     audio_mask: torch.Tensor  # [1, F] bool: positions of real audio (its first one gets bos_emb)
     latents: torch.Tensor  # [1, F, H]: the code embedding before the first audio position
 
+    def to(self, device: torch.device) -> TTSPrompt:
+        return TTSPrompt(*(t.to(device) for t in (self.codes, self.subword_ids, self.subword_mask, self.audio_mask,
+                                                     self.latents)))
+
 
 def _draw_schedule(config: TTSConfig) -> list[tuple[int, int]]:
     """(first quantizer, count) of each MoG draw of a frame: the reference's unmasking schedule

@@ -324,3 +324,29 @@ def test_the_speaker_names_the_prompt_latents():
     assert model.tts_model.audio_prompt_latents.latents().shape == (1, 37, values["tts_config"]["hidden_size"])
     with pytest.raises(ConfigError, match="'speaker'"):
         VoiceChatConfig.from_dict({**values, "speaker": "two words"})
+
+
+def test_prepare_makes_the_speaker_prompt_and_releases_the_codec_encoder(ckpt_f32):
+    """A prepared model's codec encoder is freed (streaming runs it only for the speaker prompt, which
+    prepare() makes first): its prompt equals the unprepared model's, and encoding audio then says why it
+    cannot, where an unprepared model (training labels) still encodes."""
+    import nvchat_torch as nv
+
+    plain = nv.load_model(ckpt_f32, device="cpu", prepare=False)
+    codec = plain.tts_model.audio_codec
+    encoder_bytes = sum(p.numel() * p.element_size() for p in codec.encoder.parameters())
+    wave = torch.zeros(1, 1, 2 * codec.samples_per_frame)
+    with torch.no_grad():
+        codes = codec.encode(wave)
+    assert codes.shape == (1, plain.config.tts_config.num_quantizers, 2)
+    prepared = plain.prepare()
+    assert prepared.tts_model.audio_codec.encoder is None and encoder_bytes > 0
+    assert not any(".audio_codec.encoder." in name for name, _ in prepared.named_parameters())
+    reference = nv.load_model(ckpt_f32, device="cpu", prepare=False).tts_prompt()
+    ours = prepared.tts_prompt()
+    for field in dataclasses.fields(TTSPrompt):
+        assert torch.equal(getattr(ours, field.name), getattr(reference, field.name)), field.name
+    with pytest.raises(RuntimeError, match="encoder was released by the model's prepare"):
+        prepared.tts_model.audio_codec.encode(wave)
+    session = prepared.create_streaming_session(system_prompt="hi", deterministic=True)
+    assert session.push_audio(np.zeros(2 * 1280, np.float32), 16000)  # streams without the encoder
