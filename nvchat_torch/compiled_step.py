@@ -10,7 +10,8 @@ default on CUDA) are recorded per shape, so one is recorded when a block is adde
 
 Each kind of layer (Mamba, attention and MLP blocks, Conformer layers, the TTS's sliding and global
 layers) is a nested compile region (:func:`~nvchat_torch.layers.layer_step`): traced and compiled once,
-stamped out for the other layers of its kind, which bounds the compile time of the one graph.
+stamped out for the other layers of its kind, which bounds the compile time of the one graph. So are
+the loops over repeated work: the RNNT's symbols and the 31 quantizers' codebook searches.
 
 A second process need not compile again: with inductor (and no CUDA graphs), each graph is compiled
 ahead of its first call (``aot_compile``) and kept in a store (:func:`default_store`), keyed by all it
