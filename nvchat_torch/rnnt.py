@@ -194,9 +194,8 @@ class RnntTranscriber(nn.Module):
         hc = state.hc
         active: torch.Tensor | None = None
         tokens, kept = [], []
-        symbol = _symbol_step_region if torch.compiler.is_compiling() else _symbol_step
         for _ in range(self.max_symbols):
-            token, active, hc = symbol(decoder, self.joint.joint_net, pred.weight, frame_bias, hc, active, self.blank_id)
+            token, active, hc = _symbol_step(decoder, self.joint.joint_net, pred.weight, frame_bias, hc, active, self.blank_id)
             tokens.append(token)
             kept.append(active)
         state.hc = hc
@@ -255,6 +254,9 @@ class TranscriptText:
         return delta, self.text
 
 
+# Compiled, a symbol is a nested region (layers.layer_step): two variants (the first symbol, the
+# others) instead of ``max_symbols`` copies of the same kernels.
+@layer_step
 def _symbol_step(decoder: RnntDecoder, joint_net: nn.Module, pred_weight: torch.Tensor, frame_bias: torch.Tensor,
                  hc: torch.Tensor, active: torch.Tensor | None, blank_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One symbol of a frame's greedy decoding: the joint's argmax ``[B]``, the rows still emitting
@@ -265,8 +267,3 @@ def _symbol_step(decoder: RnntDecoder, joint_net: nn.Module, pred_weight: torch.
     # The candidate state is computed every time and kept only while tokens are being emitted.
     step = decoder.step(decoder.input_gates(token), hc[:2 * decoder.layers], with_output=True)
     return token, active, torch.where(active[:, None], step, hc)
-
-
-# Compiled, a symbol is a nested region (layers.layer_step): two variants (the first symbol, the
-# others) instead of ``max_symbols`` copies of the same kernels.
-_symbol_step_region = layer_step(_symbol_step)

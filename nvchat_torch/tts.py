@@ -16,6 +16,7 @@ that fills the key/value caches. Nothing in a step reads a tensor on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -68,8 +69,7 @@ class TTSPrompt:
     latents: torch.Tensor  # [1, F, H]: the code embedding before the first audio position
 
     def to(self, device: torch.device) -> TTSPrompt:
-        return TTSPrompt(*(t.to(device) for t in (self.codes, self.subword_ids, self.subword_mask, self.audio_mask,
-                                                     self.latents)))
+        return TTSPrompt(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
 def _draw_schedule(config: TTSConfig) -> list[tuple[int, int]]:
@@ -235,10 +235,9 @@ class EarTTS(nn.Module):
         n]`` pieces, ``count`` columns in all) and, if ``accumulate``, ``decided`` plus the chosen rows in
         order (else ``decided``)."""
         books, sq_norms = self.codebooks()
-        nearest = _nearest_row_region if torch.compiler.is_compiling() else _nearest_row
         picked = []
         for q in range(start, start + count):
-            index, row = nearest(residual, books[q], sq_norms[q])
+            index, row = _nearest_row(residual, books[q], sq_norms[q])
             picked.append(index[:, None])
             if q + 1 < start + count:
                 residual = residual - row
@@ -255,15 +254,13 @@ class EarTTS(nn.Module):
                                    batched=rows is not None)
 
 
+# Compiled, one quantizer's search is a nested region (layers.layer_step): compiled once for all 31,
+# where each quantizer's own kernels would differ only in their codebook's offset (~30 C++ kernels).
+@layer_step
 def _nearest_row(residual: torch.Tensor, book: torch.Tensor, sq_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The codebook row nearest each residual (``[B, latent]`` float32): its index ``[B]`` and the row."""
     index = torch.addmm(sq_norms, residual, book.t(), alpha=-2.0).argmin(-1)
     return index, book.index_select(0, index)
-
-
-# Compiled, one quantizer's search is a nested region (layers.layer_step): compiled once for all 31,
-# where each quantizer's own kernels would differ only in their codebook's offset (~30 C++ kernels).
-_nearest_row_region = layer_step(_nearest_row)
 
 
 class FusedEarTTS(EarTTS, FusedOnCpu):

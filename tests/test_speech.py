@@ -334,13 +334,13 @@ def test_prepare_makes_the_speaker_prompt_and_releases_the_codec_encoder(ckpt_f3
 
     plain = nv.load_model(ckpt_f32, device="cpu", prepare=False)
     codec = plain.tts_model.audio_codec
-    encoder_bytes = sum(p.numel() * p.element_size() for p in codec.encoder.parameters())
+    assert any(".audio_codec.encoder." in name for name, _ in plain.named_parameters())
     wave = torch.zeros(1, 1, 2 * codec.samples_per_frame)
     with torch.no_grad():
         codes = codec.encode(wave)
     assert codes.shape == (1, plain.config.tts_config.num_quantizers, 2)
     prepared = plain.prepare()
-    assert prepared.tts_model.audio_codec.encoder is None and encoder_bytes > 0
+    assert prepared.tts_model.audio_codec.encoder is None
     assert not any(".audio_codec.encoder." in name for name, _ in prepared.named_parameters())
     reference = nv.load_model(ckpt_f32, device="cpu", prepare=False).tts_prompt()
     ours = prepared.tts_prompt()
