@@ -16,6 +16,11 @@ default, with ``prepare()``), then ``--frames`` streaming frames. A thread sampl
 RSS counts the anonymous memory the process owns (RssAnon: the model, the caches, temporaries) and
 the file pages it has mapped and touched (RssFile: the shards while safetensors maps them, and the
 shared libraries). The report gives the peak of each and where the process stood at each phase.
+
+Its child processes are sampled too, every 0.5 s: with ``--compile`` on Linux the graph is compiled
+in a forked child (which shares the weights copy-on-write) and inductor's compile workers. Their
+private memory (``smaps_rollup``: the pages that are theirs alone) is what the compile adds to the
+machine beside this process; the report gives its peak, and the peak of this process's RSS plus it.
 """
 
 from __future__ import annotations
@@ -44,19 +49,55 @@ def status_mib() -> dict[str, float]:
     return out
 
 
-class PeakSampler(threading.Thread):
-    """Samples RssAnon and RssFile every ``period`` s; ``mark(name)`` records the current values."""
+def descendants(root: int) -> list[int]:
+    """The processes below ``root`` (children, and theirs), from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # it ended meanwhile
+            children.setdefault(parent, []).append(int(name))
+    found, frontier = [], [root]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found += frontier
+    return found
 
-    def __init__(self, period: float = 0.02):
+
+def private_mib(pid: int) -> float:
+    """A process's private memory in MiB (its own pages: not those it shares copy-on-write)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean", "Private_Dirty"))) / 1024
+    except OSError:
+        return 0.0  # it ended meanwhile
+
+
+class PeakSampler(threading.Thread):
+    """Samples RssAnon and RssFile every ``period`` s, and the child processes' private memory every
+    ``children_period`` s; ``mark(name)`` records the current values."""
+
+    def __init__(self, period: float = 0.02, children_period: float = 0.5):
         super().__init__(daemon=True)
         self.period, self.peak_anon, self.peak_file, self.marks = period, 0.0, 0.0, []
+        self.children_every = max(1, round(children_period / period))
+        self.peak_children, self.peak_with_children = 0.0, 0.0
         self.running = True
 
     def run(self) -> None:
+        tick = 0
         while self.running:
             now = status_mib()
             self.peak_anon = max(self.peak_anon, now["RssAnon"])
             self.peak_file = max(self.peak_file, now["RssFile"])
+            if tick % self.children_every == 0:
+                children = sum(private_mib(pid) for pid in descendants(os.getpid()))
+                self.peak_children = max(self.peak_children, children)
+                self.peak_with_children = max(self.peak_with_children, now["VmRSS"] + children)
+            tick += 1
             time.sleep(self.period)
 
     def mark(self, name: str) -> None:
@@ -127,7 +168,8 @@ def measure(folder: Path, frames: int, threads: int | None, compile: bool = Fals
     sampler.join()
     return {"model": model.describe(), "weights_mib": model_bytes(model) / 2**20, "load_s": load_s,
             "frame_s": frame_s, "peak_rss_mib": status_mib()["VmHWM"], "peak_anon_mib": sampler.peak_anon,
-            "peak_file_mib": sampler.peak_file, "marks": sampler.marks}
+            "peak_file_mib": sampler.peak_file, "peak_children_private_mib": sampler.peak_children,
+            "peak_with_children_mib": sampler.peak_with_children, "marks": sampler.marks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['frame_s']:.1f} s/frame")
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB ({result['peak_rss_mib'] * 2**20 / 1e9:.2f} GB); "
           f"peak RssAnon {result['peak_anon_mib']:.0f} MiB; peak RssFile {result['peak_file_mib']:.0f} MiB")
+    print(f"child processes' private memory: peak {result['peak_children_private_mib']:.0f} MiB; this process's RSS "
+          f"plus it: peak {result['peak_with_children_mib']:.0f} MiB ({result['peak_with_children_mib'] * 2**20 / 1e9:.2f} GB)")
     print(f"{'phase':<28}{'RSS':>9}{'anon':>9}{'file':>9}{'peak':>9}  (MiB)")
     for name, m in result["marks"]:
         print(f"{name:<28}{m['VmRSS']:>9.0f}{m['RssAnon']:>9.0f}{m['RssFile']:>9.0f}{m['VmHWM']:>9.0f}")

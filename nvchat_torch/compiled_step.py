@@ -19,6 +19,14 @@ was made from (torch, this package's source, the machine, the model's layout, th
 batch), so a later process loads the graph's kernels and skips the compiler front end. torch's own
 guards, those a stored graph can keep, are still checked on every call.
 
+On a Linux CPU the graph is compiled in a forked child process, which shares the model's weights
+copy-on-write, stores the graph and exits; this process then loads it as a later one would. The
+compiler's own memory (its modules, traced graphs and fragmented heap: ~300 MiB at full size, which a
+process that compiled keeps for its life) leaves with the child, and the compiler does not hold this
+process's interpreter lock meanwhile, so a server's other sessions stream on. CUDA and MPS cannot run
+in a forked child, and on macOS forking a process that has used the system frameworks is unsafe (as
+Python's own default for multiprocessing says): there the graph is compiled in this process.
+
 What it leaves eager: the prompt prefill and the speaker warmup (once per session, long sequences),
 and the cache-free diagnostics. The fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`) are not used
 under it: the compiler fuses the composite code, which is what MPS and CUDA run.
@@ -32,6 +40,8 @@ import functools
 import hashlib
 import os
 import platform
+import signal
+import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +93,9 @@ class StepCompiler:
     precompiled: int = 0  # graphs compiled ahead of their first call (and stored)
     not_stored: str | None = None  # why a graph was not stored or not loaded (the last reason)
     ahead_failed: bool = False  # compiling ahead failed once: this model's steps take torch.compile's path
+    # Compile each stored graph in a forked child process (see the module's docstring): on Linux, for the
+    # CPU; set False after a child fails, so this model's next graphs compile in this process.
+    in_child: bool = sys.platform == "linux"
     # The graphs loaded or compiled ahead, by what picks them (flags, batch): shared by the model's frame
     # steps (a graph takes its frame step as an argument, and its guards check that step's caches).
     graphs: dict[Hashable, Any] = field(default_factory=dict, repr=False)
@@ -120,6 +133,11 @@ class StepCompiler:
         """Whether graphs are compiled ahead and kept (see ``store``)."""
         return self.store is not None and self.backend == "inductor" and self.mode is None and not self.ahead_failed
 
+    @property
+    def compiles_in_child(self) -> bool:
+        """Whether a graph to store is compiled in a forked child process (``in_child``, the CPU)."""
+        return self.stores and self.in_child and self.device.type == "cpu" and hasattr(os, "fork")
+
     def wrap(self, step: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         """``step`` compiled whole: no graph break is allowed inside it."""
         return torch.compile(step, fullgraph=True, backend=self.backend, mode=self.mode, options=options or None)
@@ -137,7 +155,9 @@ class StepCompiler:
         elif self.backend != "inductor" or self.mode is not None:
             kept = "; compiled graphs not kept (kept only with inductor, without CUDA graphs)"
         else:
-            kept = f"; compiled graphs kept in {self.store} ({self.loaded} loaded, {self.precompiled} compiled here)"
+            where = "in a child process" if self.compiles_in_child else "in this process"
+            kept = (f"; compiled graphs kept in {self.store} ({self.loaded} loaded, {self.precompiled} compiled "
+                    f"here, {where})")
         if self.not_stored:
             kept += f"; {self.not_stored}"
         mode = f", mode {self.mode}" if self.mode else ""
@@ -160,7 +180,8 @@ class CompiledStep:
     dynamic; :meth:`buffers_changed` says they were replaced (grown, or a new batch).
 
     With a store (:attr:`StepCompiler.stores`), each graph (one per flags and batch) is compiled ahead
-    (``aot_compile``) the first time it is needed, saved, and loaded by later processes. Only the
+    (``aot_compile``) the first time it is needed (in a forked child process on a Linux CPU,
+    :attr:`StepCompiler.compiles_in_child`), saved, and loaded by later processes. Only the
     guards a saved graph can hold are kept (tensor layouts, constants, shapes; not object identities,
     which a new process cannot match): the store's key stands for the rest. Where compiling ahead
     fails (an experimental torch API), the step falls back to ``torch.compile``'s own path, which
@@ -194,7 +215,7 @@ class CompiledStep:
                 try:
                     with self.compiler.settings():
                         key = self._key(step)
-                        graph = self._load(key, args) or self._precompile(key, args)
+                        graph = self._load(key, args) or self._compile_ahead(key, args)
                     graphs.append(graph)
                     return_freed_memory()  # the compiler's (or the file's) transients, which glibc would keep
                 except _CannotStore as e:
@@ -218,7 +239,7 @@ class CompiledStep:
         assert self.compiler.store is not None
         return [self.compiler.store / f"frame-step-{key}{f'-{n}' if n else ''}.bin" for n in range(VARIANTS)]
 
-    def _load(self, key: str, args: tuple) -> Any:
+    def _load(self, key: str, args: tuple, count: bool = True) -> Any:
         from torch._guards import TracingContext, tracing
 
         for path in self._variants(key):
@@ -234,16 +255,76 @@ class CompiledStep:
                 path.unlink(missing_ok=True)
                 return None
             if graph.guard_check(*args):
-                self.compiler.loaded += 1
+                self.compiler.loaded += count
                 return graph
         return None
 
-    def _precompile(self, key: str, args: tuple) -> Any:
+    def _compile_ahead(self, key: str, args: tuple) -> Any:
+        """The graph for ``key`` compiled ahead and stored: in a child process where it can be (then
+        loaded from the store), else in this one."""
+        compiler = self.compiler
+        if compiler.compiles_in_child:
+            reason = self._compile_in_child(key, args)
+            graph = None if reason else self._load(key, args, count=False)
+            if graph is not None:
+                compiler.precompiled += 1
+                return graph
+            compiler.in_child = False
+            compiler.not_stored = f"compiled in this process: {reason or 'the graph its child process stored did not load'}"
+            warnings.warn(f"nvchat_torch: {compiler.not_stored}", stacklevel=3)
+        graph = self._compile(args)
+        compiler.precompiled += 1
+        reason = self._save(graph, key)
+        if reason:
+            compiler.not_stored = reason
+        return graph
+
+    def _compile_in_child(self, key: str, args: tuple) -> str | None:
+        """Compile and store the graph for ``key`` in a forked child process: None once it is stored, else
+        why not. A child that cannot compile ahead raises :class:`_CannotStore` here, as this process would."""
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns that a threaded process may deadlock in a forked child: this child runs
+            # only the compiler, on this thread's objects, and leaves by os._exit (nothing of the parent's
+            # runs there: no atexit handler, no buffered output flushed twice).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code, message = 1, "the child process failed"
+            try:
+                os.close(read)
+                for sig in (signal.SIGINT, signal.SIGTERM):  # stopping the parent's session stops it too
+                    signal.signal(sig, signal.SIG_DFL)
+                from torch._inductor.async_compile import AsyncCompile
+
+                AsyncCompile.pool.cache_clear()  # a thread pool of the parent's has no threads here
+                message = self._save(self._compile(args), key) or ""
+                code = 1 if message else 0
+            except _CannotStore as e:
+                code, message = 2, str(e)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent, which compiles instead
+                message = f"{type(e).__name__}: {e}"
+            finally:
+                try:
+                    os.write(write, message.encode()[:4096])
+                finally:
+                    os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            message = pipe.read().decode(errors="replace")
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code == 2:
+            raise _CannotStore(message)
+        if code < 0:
+            return f"the child process compiling the graph was stopped by signal {-code}"
+        return f"the child process could not compile or store the graph ({message})" if code else None
+
+    def _compile(self, args: tuple) -> Any:
         buffers = self.dynamic()
         self.compiler.mark_capacity(buffers)  # traced with their capacity dynamic ...
         try:
             compiled: Any = self.compiler.wrap(self.function, guard_filter_fn=_storable_guards)
-            graph = compiled.aot_compile((args, {}))
+            return compiled.aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - torch.compile's own path is the fallback
             raise _CannotStore(f"aot_compile failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
         finally:
@@ -252,25 +333,27 @@ class CompiledStep:
                 for name in _MARKS:
                     if hasattr(t, name):
                         delattr(t, name)
-        self.compiler.precompiled += 1
+
+    def _save(self, graph: Any, key: str) -> str | None:
+        """``graph`` kept in the store under ``key``: None, else why it was not."""
         variants = self._variants(key)
         path = next((p for p in variants if not p.is_file()), variants[-1])
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(path))  # written to a temporary file, then renamed
         except Exception as e:  # noqa: BLE001 - it still runs here; a later process compiles again
-            self.compiler.not_stored = f"{path.name} could not be saved ({type(e).__name__}: {e})"
-        return graph
+            return f"{path.name} could not be saved ({type(e).__name__}: {e})"
+        return None
 
     def _key(self, step: Any) -> str:
         """Everything the step's graph is made from, hashed: torch and this package's source, the device
-        and machine, the compiler's settings, the model (its configuration, the layout of every
+        and machine, the compiler's settings (and the CPU threads its kernels are built for), the model (its configuration, the layout of every
         parameter and buffer, and its modules' plain settings), and the step's flags and layout."""
         compiler = self.compiler
         if compiler.key_base is None:  # computed once per model, on its first miss
             compiler.key_base = [torch.__version__, _package_digest(), str(compiler.device), _machine(compiler.device),
                                  repr(compiler.backend), repr(compiler.mode), _model_digest(self.owner.model)]
-        parts = compiler.key_base + [_inductor_settings(), _layout(step)]
+        parts = compiler.key_base + [_inductor_settings(), _threads(compiler.device), _layout(step)]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -304,6 +387,15 @@ def _machine(device: torch.device) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return f"{platform.machine()} {pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _threads(device: torch.device) -> str:
+    """The CPU threads a graph's kernels run on: inductor writes the count into each parallel loop
+    (``torch.get_num_threads()`` at code generation), so a graph built for 2 threads would run on 2
+    in a process set to 1 or 16."""
+    from torch._inductor.utils import parallel_num_threads
+
+    return f"threads {parallel_num_threads()}" if device.type == "cpu" else ""
 
 
 def _plain(value: Any) -> bool:

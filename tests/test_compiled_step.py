@@ -8,6 +8,10 @@ inductor, the backend that generates kernels."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +137,9 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     path = make_checkpoint(seed=0, **LAYOUTS.get(layout, {}))
     wave = synth_audio(1.2)
     torch._inductor.config.cpp.enable_kernel_profile = True  # its C++ kernels show in the profiler
+    from torch._dynamo.utils import counters
+
+    traced = counters["stats"]["unique_graphs"]
     model = nv.load_model(path, device="cpu", compile=True)
     assert "compiled whole (torch.compile, inductor" in model.describe()
     ours = run_stream(model, wave, PROMPT)
@@ -164,8 +171,10 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     # compiler's front end traces nothing), the reference's outputs again, and past both caches' growth.
     # (Three frame steps ran: two sessions and the engine; the sessions share the batch-1 graph.)
     assert model.step_compiler.precompiled == 2 and model.step_compiler.loaded == 0, model.describe()
-    from torch._dynamo.utils import counters
-
+    # On Linux each was compiled in a child process (the compiler's memory left with it): this process
+    # traced nothing, and loaded the graphs the children stored.
+    if sys.platform == "linux":
+        assert "2 compiled here, in a child process" in model.describe() and counters["stats"]["unique_graphs"] == traced
     traced = counters["stats"]["unique_graphs"]
     later = nv.load_model(path, device="cpu", compile=True)
     again = run_stream(later, wave, PROMPT)
@@ -225,6 +234,61 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
     broken.write_bytes(b"not a compiled graph")
     assert compiled._load("k", ()) is None and compiler.loaded == 0 and not broken.exists()
     assert "frame-step-k.bin could not be loaded" in compiler.describe() and "compiled again" in compiler.describe()
+    # Inductor writes the CPU thread count into its parallel loops: a graph is kept per count.
+    Owner.model = torch.nn.Linear(2, 2)
+    threads = torch.get_num_threads()
+    try:
+        keys = set()
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            keys.add(compiled._key(()))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(keys) == 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="graphs are compiled in a child process on Linux only")
+def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, monkeypatch):
+    """On a Linux CPU a graph to store is compiled in a forked child process. A child that fails leaves the
+    graph to this process, which says why and compiles the model's next graphs itself; a child whose
+    aot_compile fails is the failure it is here (torch.compile's own path follows). A child that
+    succeeds runs in the inductor parity test above."""
+    from nvchat_torch.compiled_step import CompiledStep, StepCompiler, _CannotStore
+
+    parent = os.getpid()
+
+    class Owner:
+        def step(self, step, stamps):
+            return step
+
+    class Graph:  # what aot_compile gives, as far as the store goes
+        def save_compiled_function(self, path):
+            Path(path).write_bytes(b"graph")
+
+    def compile_here_only(self, args):
+        if os.getpid() != parent:
+            raise MemoryError("no room for the compiler")
+        return Graph()
+
+    monkeypatch.setattr(CompiledStep, "_compile", compile_here_only)
+    compiler = StepCompiler(torch.device("cpu"), store=tmp_path)
+    assert compiler.compiles_in_child and "compiled here, in a child process" in compiler.describe()
+    compiled = CompiledStep(compiler, Owner().step, list)
+    with pytest.warns(UserWarning, match=r"compiled in this process: the child process could not compile or "
+                                         r"store the graph \(MemoryError: no room for the compiler\)"):
+        graph = compiled._compile_ahead("k", ())
+    assert isinstance(graph, Graph) and compiler.precompiled == 1 and compiler.loaded == 0
+    assert compiled._variants("k")[0].read_bytes() == b"graph"
+    assert not compiler.compiles_in_child and "compiled here, in this process" in compiler.describe()
+
+    def cannot(self, args):
+        raise _CannotStore("aot_compile failed: RuntimeError: unsupported")
+
+    monkeypatch.setattr(CompiledStep, "_compile", cannot)
+    other = StepCompiler(torch.device("cpu"), store=tmp_path / "other")
+    with pytest.raises(_CannotStore, match="aot_compile failed: RuntimeError: unsupported"):
+        CompiledStep(other, Owner().step, list)._compile_ahead("k", ())
+    assert other.precompiled == 0 and not (tmp_path / "other").exists()
 
 
 def test_a_weight_read_twice_is_not_held_upcast_between_its_reads():
