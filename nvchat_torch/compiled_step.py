@@ -282,11 +282,15 @@ class CompiledStep:
     def _compile_in_child(self, key: str, args: tuple) -> str | None:
         """Compile and store the graph for ``key`` in a forked child process: None once it is stored, else
         why not. A child that cannot compile ahead raises :class:`_CannotStore` here, as this process would."""
+        from torch._dynamo.convert_frame import compile_lock
+
         read, write = os.pipe()
-        with warnings.catch_warnings():
-            # Python 3.12+ warns that a threaded process may deadlock in a forked child: this child runs
-            # only the compiler, on this thread's objects, and leaves by os._exit (nothing of the parent's
-            # runs there: no atexit handler, no buffered output flushed twice).
+        # Python 3.12+ warns that a threaded process may deadlock in a forked child: this child runs only
+        # the compiler, on this thread's objects, and leaves by os._exit (nothing of the parent's runs
+        # there: no atexit handler, no buffered output flushed twice). It forks holding dynamo's lock,
+        # so no other thread of this process is inside the compiler, holding it where the child could
+        # never have it back.
+        with compile_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:
