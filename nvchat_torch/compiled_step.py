@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import os
 import platform
@@ -292,7 +293,15 @@ class CompiledStep:
         # never have it back.
         with compile_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+            # Frozen, this process's objects are left alone by the child's garbage collector, whose
+            # scans would write to (and so copy) every page holding one: Python's advice for fork.
+            gc.freeze()
+            pid = -1
+            try:
+                pid = os.fork()
+            finally:
+                if pid != 0:
+                    gc.unfreeze()
         if pid == 0:
             code, message = 1, "the child process failed"
             try:
