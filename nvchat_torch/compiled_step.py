@@ -299,6 +299,10 @@ class CompiledStep:
             pid = -1
             try:
                 pid = os.fork()
+            except OSError as e:  # no memory or processes left for a child: this process compiles
+                os.close(read)
+                os.close(write)
+                return f"no child process could be made ({e})"
             finally:
                 if pid != 0:
                     gc.unfreeze()

@@ -281,6 +281,16 @@ def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, 
     assert compiled._variants("k")[0].read_bytes() == b"graph"
     assert not compiler.compiles_in_child and "compiled here, in this process" in compiler.describe()
 
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fork", no_fork)
+        unforked = StepCompiler(torch.device("cpu"), store=tmp_path / "unforked")
+        with pytest.warns(UserWarning, match=r"compiled in this process: no child process could be made"):
+            assert isinstance(CompiledStep(unforked, Owner().step, list)._compile_ahead("k", ()), Graph)
+        assert unforked.precompiled == 1 and (tmp_path / "unforked" / "frame-step-k.bin").is_file()
+
     def cannot(self, args):
         raise _CannotStore("aot_compile failed: RuntimeError: unsupported")
 
