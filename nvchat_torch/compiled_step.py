@@ -271,7 +271,8 @@ class CompiledStep:
                 compiler.precompiled += 1
                 return graph
             compiler.in_child = False
-            compiler.not_stored = f"compiled in this process: {reason or 'the graph its child process stored did not load'}"
+            reason = reason or "the graph its child process stored did not load"
+            compiler.not_stored = f"compiled in this process: {reason}"
             warnings.warn(f"nvchat_torch: {compiler.not_stored}", stacklevel=3)
         graph = self._compile(args)
         compiler.precompiled += 1
@@ -364,8 +365,9 @@ class CompiledStep:
 
     def _key(self, step: Any) -> str:
         """Everything the step's graph is made from, hashed: torch and this package's source, the device
-        and machine, the compiler's settings (and the CPU threads its kernels are built for), the model (its configuration, the layout of every
-        parameter and buffer, and its modules' plain settings), and the step's flags and layout."""
+        and machine, the compiler's settings (and the CPU threads its kernels are built for), the model
+        (its configuration, the layout of every parameter and buffer, and its modules' plain settings),
+        and the step's flags and layout."""
         compiler = self.compiler
         if compiler.key_base is None:  # computed once per model, on its first miss
             compiler.key_base = [torch.__version__, _package_digest(), str(compiler.device), _machine(compiler.device),
