@@ -83,7 +83,12 @@ class EngineSession:
 
     @property
     def pending_frames(self) -> int:
-        """Complete frames waiting for a step."""
+        """Complete frames of audio waiting for a step: how far the session is behind its input."""
+        return len(self._queued)
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps waiting to run: its queued audio frames and steps off the clock (:meth:`step_off_clock`)."""
         return len(self._queued)
 
     @property
