@@ -132,6 +132,13 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
 
 
+def _forget_speech_tracks(model: nn.Module) -> None:
+    """A VoiceChat model's prefill tracks were made by its weights before an adapter changed them."""
+    forget = getattr(model, "forget_speech_tracks", None)
+    if callable(forget):
+        forget()
+
+
 def _linear_like(m: nn.Module) -> bool:
     return isinstance(m, (nn.Linear, QuantizedLinear, Int4PackedLinear))
 
@@ -151,6 +158,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
         holder = model.get_submodule(parent)
         layer = LoRALinear(getattr(holder, child), r, alpha, dropout, generator, dtype)
         setattr(holder, child, layer.train(model.training))  # the model's mode (a new module trains)
+    _forget_speech_tracks(model)
     for holder in list(model.modules()):  # the other packed linears: a backward that dequantizes, holds nothing
         if not isinstance(holder, (LoRALinear, FrozenPacked)):
             for child, m in list(holder.named_children()):
@@ -208,6 +216,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> list[str]:
                 raise ValueError(f"{folder}: {name}.{part} has shape {list(src.shape)}, the model {list(dst.shape)}")
             with torch.no_grad():
                 dst.copy_(src)
+    _forget_speech_tracks(model)
     return names
 
 
@@ -240,6 +249,7 @@ def merge_lora(model: nn.Module) -> list[str]:
         for child, m in list(holder.named_children()):
             if isinstance(m, FrozenPacked):
                 setattr(holder, child, m.base_layer)
+    _forget_speech_tracks(model)
     return merged
 
 

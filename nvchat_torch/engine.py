@@ -15,7 +15,8 @@ prompt prefilled exactly as alone), whose caches then move into the slot; its ho
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .frame_step import FrameStep
 from .prompt_cache import PromptCache
-from .session import AudioInput, StreamingSession
+from .session import AudioInput, OffClock, StreamingSession, off_clock_steps
 from .turn_taking import TurnTakingConfig
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class EngineSession:
         self.slot = slot  # its row in the batch; None while its deferred prefill runs
         self._pending = np.zeros(0, dtype=np.float32)
         self._queued: list[np.ndarray] = []  # complete frames waiting for a step
+        self._off_clock: deque[OffClock] = deque()  # steps off the clock waiting: they run before the frames
         self.finishing = False  # flushed: done once its frames have run
         self.closed = False
 
@@ -54,7 +56,13 @@ class EngineSession:
 
     @property
     def frame_index(self) -> int:
+        """Steps run after the prompt, heard or off the clock."""
         return self._host.frame_index
+
+    @property
+    def input_frames(self) -> int:
+        """Audio frames heard."""
+        return self._host.input_frames
 
     @property
     def text(self) -> str:
@@ -89,7 +97,7 @@ class EngineSession:
     @property
     def pending_steps(self) -> int:
         """Steps waiting to run: its queued audio frames and steps off the clock (:meth:`step_off_clock`)."""
-        return len(self._queued)
+        return len(self._queued) + len(self._off_clock)
 
     @property
     def pending_tool_calls(self) -> list[str]:
@@ -121,7 +129,7 @@ class EngineSession:
         pending = np.concatenate([self._pending, chunk]) if self._pending.size else chunk
         size = self._host.frame_samples
         n = pending.shape[0] // size
-        room = self._host.max_frames - self.frame_index - len(self._queued)
+        room = self._host.max_frames - self.frame_index - self.pending_steps
         self._queued += [pending[i * size:(i + 1) * size] for i in range(min(n, room))]
         self._pending = pending[n * size:].copy()
         if n > room:
@@ -137,7 +145,7 @@ class EngineSession:
         if self.finishing and not self.closed:
             return
         self._check_open("flush")
-        if self._pending.size and pad_partial and self.frame_index + len(self._queued) < self._host.max_frames:
+        if self._pending.size and pad_partial and self.frame_index + self.pending_steps < self._host.max_frames:
             frame = np.zeros(self._host.frame_samples, dtype=np.float32)
             frame[:self._pending.size] = self._pending
             self._queued.append(frame)
@@ -158,6 +166,14 @@ class EngineSession:
         dropped = len(self._queued) * self._host.frame_samples + self._pending.size
         self._queued, self._pending = [], np.zeros(0, dtype=np.float32)
         return dropped
+
+    def step_off_clock(self, count: int, *, text: int | None = None, speak: Sequence[int] | None = None,
+                       keep_audio: bool = True) -> None:
+        """Queue ``count`` steps off the clock (as :meth:`StreamingSession.step_off_clock` runs them): they
+        run in the engine's next steps, one per step and batched with the other rows, before this
+        session's queued frames; their events come back from those steps. See
+        :meth:`BatchEngine.step_off_clock`."""
+        self.engine.step_off_clock(self, count, text=text, speak=speak, keep_audio=keep_audio)
 
     def send_tool_result(self, call_id: str, output: Any) -> None:
         """As :meth:`StreamingSession.send_tool_result`."""
@@ -209,6 +225,23 @@ class BatchEngine:
         self._failures: dict[EngineSession, BaseException] = {}
         # Prefilled prompts kept for the next session with the same one (a PromptCache; None: none kept).
         self.prompt_cache: PromptCache | None = None
+
+    def step_off_clock(self, handle: EngineSession, count: int, *, text: int | None = None,
+                       speak: Sequence[int] | None = None, keep_audio: bool = True) -> None:
+        """Queue ``count`` timeline steps for ``handle`` that hear no audio (NVIDIA's silence embedding on
+        the user channel): ``text`` forced on the text channel (None: the model's own), ``speak`` the ids
+        its TTS speaks instead, one per step from the first, ``keep_audio`` whether their speech comes out
+        as ``audio`` events. They run before its queued frames, one per :meth:`step`, batched with the
+        other rows through the same frame path. Nothing changes when it raises: ``ValueError`` for a
+        session of another engine or a bad argument, ``RuntimeError`` for a closed or flushed session,
+        :class:`ContextLimit` for steps past its limit."""
+        if not isinstance(handle, EngineSession) or handle.engine is not self:
+            raise ValueError(f"step_off_clock: {handle!r} is not a session of this engine")
+        handle._check_open("step_off_clock")
+        host = handle._host
+        steps = off_clock_steps(count, text, speak, keep_audio, self.config.text_config.vocab_size)
+        host.check_room(handle.frame_index + handle.pending_steps + count)
+        handle._off_clock.extend(steps)
 
     def failure_of(self, handle: EngineSession) -> BaseException | None:
         """What closed ``handle``, if a step or its prefill failed on it."""
@@ -289,6 +322,7 @@ class BatchEngine:
         handle.closed = True
         handle._host.closed = True
         handle._queued, handle._pending = [], np.zeros(0, dtype=np.float32)
+        handle._off_clock.clear()
         if handle in self._joining:  # still prefilling: it holds no slot
             self._joining.remove(handle)
             return
@@ -299,13 +333,14 @@ class BatchEngine:
 
     # ---- the step
     def step(self) -> dict[EngineSession, list[VoiceChatEvent]]:
-        """One frame for every session with a complete frame pending, as one batch; the events per
-        session (a flushed session's ``done`` with its last frame). Sessions with nothing pending sit
-        out. A failure inside the batched pass closes every session of the engine (their caches may be
+        """One step for every session with one pending (a step off the clock, else a complete frame), as
+        one batch; the events per session (a flushed session's ``done`` with its last step). Sessions
+        with nothing pending sit out. A failure inside the batched pass closes every session of the engine (their caches may be
         partly advanced) and is raised; one in a session's own events (its detokenizers, tool parsing)
         closes that session only, which then has no entry and a :attr:`EngineSession.failure`."""
         out: dict[EngineSession, list[VoiceChatEvent]] = {}
-        running = [s for s in self._slots if s is not None and s._queued]
+        running = {s: s._off_clock.popleft() if s._off_clock else None
+                   for s in self._slots if s is not None and s.pending_steps}
         if running:
             try:
                 packed, stamps = self._run(running)
@@ -314,25 +349,27 @@ class BatchEngine:
                     self._failures[s] = error
                     self._release(s)
                 raise
-            for s in running:
+            for s, off_clock in running.items():
                 try:
-                    out[s] = s._host.frame_done(packed[s.slot], stamps)
+                    out[s] = s._host.frame_done(packed[s.slot], stamps, off_clock)
                 except Exception as error:  # this session's host side failed: it alone ends
                     self._failures[s] = error
                     self._release(s)
         for s in self.sessions:
-            if s.finishing and not s._queued:
+            if s.finishing and not s.pending_steps:
                 ending = s._host.final_events()
                 out.setdefault(s, []).extend(ending + [VoiceChatEvent(kind="done", frame_index=s.frame_index)])
                 self._release(s)
         return out
 
-    def _run(self, running: list[EngineSession]) -> tuple[np.ndarray, list[float]]:
+    def _run(self, running: dict[EngineSession, OffClock | None]) -> tuple[np.ndarray, list[float]]:
         """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples, and
-        the stage marks (each session that profiles records its frame's in ``frame_done``)."""
+        the stage marks (each session that profiles records its step's in ``frame_done``). A row runs its
+        step off the clock, or else its next queued frame."""
         profile = self.profile is not None or any(s.options.profile for s in running)
-        packed, stamps = self.frame_step.run({s.slot: s._host.frame_input(s._queued.pop(0)) for s in running},
-                                          profile)
+        inputs = {s.slot: s._host.frame_input(None if off_clock else s._queued.pop(0), off_clock)
+                  for s, off_clock in running.items()}
+        packed, stamps = self.frame_step.run(inputs, profile)
         if self.profile is not None:
             self.profile.frames.append(FrameTiming.from_stamps(self.steps, stamps))
         self.steps += 1

@@ -55,6 +55,9 @@ class VoiceChatEvent:
     # "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed"); `token_id` is the
     # id the frame emitted
     reason: str | None = None
+    # The audio frame the step heard, counted from the session's first (None: a step off the clock,
+    # which heard none, or an event of no step). `frame_index` counts every step, heard or not.
+    input_frame: int | None = None
 
 
 MAX_STREAMING_SECONDS = 1e9  # a bound for max_streaming_seconds (any model's context is far shorter)

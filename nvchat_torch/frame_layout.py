@@ -10,13 +10,15 @@ import numpy as np
 __all__ = ["TABLE", "PackedLayout", "FrameValues"]
 
 # The rows' table: what the host knows of each row, one int64 row per field and one column per row,
-# uploaded in one copy per step: its frame index, LLM and TTS positions, whether it runs this step and
-# runs the TTS, whether its keys are still rounded to bf16, the text and function ids it forces and
-# whether it forces each, and whether it draws random numbers (a sampling row).
-TABLE = ("frame", "llm_position", "tts_position", "runs", "runs_tts", "rounds_keys", "forced_text",
-         "forced_function", "forces_text", "forces_function", "draws")
-(FRAME, LLM_POSITION, TTS_POSITION, RUNS, RUNS_TTS, ROUNDS_KEYS, FORCED_TEXT, FORCED_FUNCTION, FORCES_TEXT,
- FORCES_FUNCTION, DRAWS) = range(len(TABLE))
+# uploaded in one copy per step: its frame index (the audio frames it has heard), LLM and TTS positions,
+# whether it runs this step, whether it hears audio (a step on the clock; one off the clock hears
+# NVIDIA's silence embedding instead), whether it runs the TTS, whether its keys are still rounded to
+# bf16, the text and function ids it forces and whether it forces each, the id the TTS speaks instead
+# of the text id (-1: the text id), and whether it draws random numbers (a sampling row).
+TABLE = ("frame", "llm_position", "tts_position", "runs", "hears", "runs_tts", "rounds_keys", "forced_text",
+         "forced_function", "forces_text", "forces_function", "spoken", "draws")
+(FRAME, LLM_POSITION, TTS_POSITION, RUNS, HEARS, RUNS_TTS, ROUNDS_KEYS, FORCED_TEXT, FORCED_FUNCTION, FORCES_TEXT,
+ FORCES_FUNCTION, SPOKEN, DRAWS) = range(len(TABLE))
 
 
 @dataclass(frozen=True)

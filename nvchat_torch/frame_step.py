@@ -29,11 +29,10 @@ import torch
 from .compiled_step import CompiledStep, batch_bucket
 from .conformer import ConformerRows
 from .diagnostics import return_freed_memory, synchronize
-from .frame_layout import (DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, LLM_POSITION,
-                           ROUNDS_KEYS, RUNS, RUNS_TTS, TABLE, TTS_POSITION, PackedLayout)
+from .frame_layout import (DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, HEARS,
+                           LLM_POSITION, ROUNDS_KEYS, RUNS, RUNS_TTS, SPOKEN, TABLE, TTS_POSITION, PackedLayout)
 from .gemma import TTSRows
 from .language_heads import fused_input, language_heads
-from .layers import linear
 from .mog import Draws
 from .nemotron_h import KVCache, LanguageRows, MambaCache
 from .rnnt import RnntState
@@ -63,11 +62,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the strides of a fresh tensor of its shape. A prefill leaves the Mamba conv state a view
     of its window, whose strides depend on the prompt's length even where its batch of 1 makes it
     "contiguous"; a compiled step guards on strides, so a new session would compile again."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.insert(0, step)
-        step *= size
-    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
+    fresh = torch.empty(t.shape, device="meta").stride()
+    return t if t.stride() == fresh else t.clone(memory_format=torch.contiguous_format)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -84,26 +80,31 @@ def _set(ref: _Ref, value: torch.Tensor) -> None:
 
 @dataclass
 class FrameInput:
-    """One row's frame: 16 kHz samples ``[1280]``, the row's generator (None: the deterministic mode),
-    and its tool channel when it forces ids (tool results, ``force_tokens``). With turn-taking: whether
-    the row is held this frame (a tool call in progress, or its text id forced: the policy skips it),
-    whether its text id is held at PAD (a tool call), and the start-of-call id that holds it from the
-    frame it appears on the function channel (-1: none)."""
+    """One row's step: 16 kHz samples ``[1280]`` (None: a step off the clock, docs/engine.md), the row's
+    generator (None: the deterministic mode), its tool channel when it forces ids (tool results,
+    ``force_tokens``), the text id the step forces (-1: none; it wins over the tool channel's) and the id
+    its TTS speaks instead of the text id (-1: the text id). With turn-taking: whether the row is held
+    (a tool call in progress, its text id forced, or off the clock: the policy skips it), whether its
+    text id is held at PAD (a tool call), and the start-of-call id that holds it from the step it
+    appears on the function channel (-1: none)."""
 
-    samples: np.ndarray
+    samples: np.ndarray | None
     generator: torch.Generator | None = None
     tools: ToolChannel | None = None
     held: bool = False
     pad_text: bool = False
     call_start: int = -1
+    text: int = -1
+    spoken: int = -1
 
 
 @dataclass
 class RowState:
-    """Where a row stands: frames run (its log-mel and Conformer stream position), the next LLM and TTS
-    positions (prompt and speaker warmup included), the timeline index (prompt steps included; index 0
-    runs no TTS), and the LLM positions below which its keys are still stored in bf16 (a bf16 prompt's
-    cache, which the reference keeps until its next 256-slot block: see ``LanguageRows``)."""
+    """Where a row stands: audio frames heard (its log-mel and Conformer stream position; a step off the
+    clock hears none), the next LLM and TTS positions (prompt and speaker warmup included), the timeline
+    index (prompt steps included; index 0 runs no TTS), and the LLM positions below which its keys are
+    still stored in bf16 (a bf16 prompt's cache, which the reference keeps until its next 256-slot
+    block: see ``LanguageRows``)."""
 
     frame_index: int = 0
     llm_position: int = 0
@@ -116,7 +117,8 @@ class RowState:
 class _Flags:
     """What picks the device step's graph (host-known; a compiled step is traced once per combination).
     Eager, each is set only when needed; compiled, ``restore`` and ``mixed`` hold for every batch above
-    one, ``forcing`` always, and ``all_tts`` never, so a session's graphs do not change as it goes."""
+    one, ``forcing``, ``off_clock`` and ``speaking`` always, and ``all_tts`` never, so a session's graphs
+    do not change as it goes (a first step off the clock compiles nothing)."""
 
     restore: bool  # rows that sit out are put back (their recurrent state as it was)
     turns: bool  # a row has the turn-taking policy
@@ -126,6 +128,8 @@ class _Flags:
     all_tts: bool  # every row runs the TTS (none at timeline position 0)
     round_keys: bool  # rows whose LLM keys are still rounded to bf16
     forcing: bool  # rows force ids (tool results, force_tokens)
+    off_clock: bool  # rows hear the silence embedding, not audio (their perception state as it was)
+    speaking: bool  # rows' TTS speaks an id other than their text id
     in_place: bool  # the recurrent state is copied back into its buffers (compiled), not rebound (eager)
 
 
@@ -183,6 +187,7 @@ class FrameStep:
         self._history: list[torch.Tensor] = []
         with torch.inference_mode():
             self._silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
+            self._silence_embedding = model.silence_embedding()  # what a step off the clock hears
             self._start_hc = self._transcriber.new_state().hc
             self._new_caches(0)
 
@@ -208,17 +213,25 @@ class FrameStep:
         """The key/value buffers whose capacity (dim 2) grows by blocks: dynamic to the compiler."""
         return self._language.tensors() + self._tts.keys + self._tts.values
 
-    def _recurrent(self) -> list[tuple[_Ref, int, int]]:
-        """The state a row carries from frame to frame: (where, batch axis, rows per slot)."""
+    def _heard(self) -> list[tuple[_Ref, int, int]]:
+        """What a row's audio advances (log-mel, Conformer, RNNT; a step off the clock leaves it as it was):
+        (where, batch axis, rows per slot)."""
         refs: list[tuple[_Ref, int, int]] = [((self._mel, "samples"), 0, 1), ((self._conformer, "mel"), 0, 1),
-                                            ((self._rnnt, "hc"), 1, 1), ((self, "_ids"), 0, 1),
-                                            ((self, "_codes"), 0, 1), ((self._codec_cache, "spectrum"), 0, 1)]
-        refs += [((self._conformer.conv, i), 0, 1) for i in range(len(self._conformer.conv))]
+                                            ((self._rnnt, "hc"), 1, 1)]
+        return refs + [((self._conformer.conv, i), 0, 1) for i in range(len(self._conformer.conv))]
+
+    def _spoken(self) -> list[tuple[_Ref, int, int]]:
+        """What every step advances: the fed-back ids and codes, the codec's and the Mamba layers' state."""
+        refs: list[tuple[_Ref, int, int]] = [((self, "_ids"), 0, 1), ((self, "_codes"), 0, 1),
+                                            ((self._codec_cache, "spectrum"), 0, 1)]
         refs += [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
         for c in self._language.layers:
             if isinstance(c, MambaCache):
                 refs += [((c, "conv_state"), 0, 1), ((c, "ssm_state"), 0, 1)]
         return refs
+
+    def _recurrent(self) -> list[tuple[_Ref, int, int]]:
+        return self._heard() + self._spoken()  # the state a row carries from step to step
 
     def _buffers(self) -> list[tuple[_Ref, int, int]]:
         """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
@@ -376,7 +389,8 @@ class FrameStep:
 
     # ---- the step: a host prologue (the one upload), the device step, a host epilogue (the one read)
     def run(self, inputs: dict[int, FrameInput], profile: bool = False) -> tuple[np.ndarray, list[float]]:
-        """One frame for each slot in ``inputs``; the other rows sit out. Returns ``[batch, values]``: each
+        """One step for each slot in ``inputs`` (a heard frame, or a step off the clock); the other rows
+        sit out. Returns ``[batch, values]``: each
         row's values in the layout :attr:`layout` names (transcript ids, text and function ids, codes,
         samples, and while a row has turn-taking its reason code), read from the device at once, and
         the stage marks (``time.perf_counter()`` at the start and after perception, RNNT, LLM, TTS and
@@ -393,11 +407,11 @@ class FrameStep:
                 packed = self._device_step(step, None)
             values = packed.numpy(force=True)  # the one host read
         stamps.append(time.perf_counter())
-        for r in inputs:
+        for r, given in inputs.items():
             row = self.rows[r]
             row.tts_position += int(row.timeline_index > 0)
             row.llm_position += 1
-            row.frame_index += 1
+            row.frame_index += given.samples is not None
             row.timeline_index += 1
         return values, stamps
 
@@ -410,6 +424,7 @@ class FrameStep:
         frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
         # What the host knows of each row, one column per row (the fields: TABLE).
         ints = np.zeros((len(TABLE), batch), dtype=np.int64)
+        ints[SPOKEN] = -1
         generators: list[torch.Generator | None] = [None] * batch
         for r, row in enumerate(self.rows):
             if row is None:
@@ -418,11 +433,16 @@ class FrameStep:
             given = inputs.get(r)
             if given is None:  # sits out at its own positions: its writes land past them
                 continue
-            frames[r] = given.samples
+            hears = given.samples is not None  # off the clock: zeros, whose perception is put back
+            if hears:
+                frames[r] = given.samples
             tts_runs = row.timeline_index > 0  # timeline position 0 runs no TTS
-            ints[[RUNS, RUNS_TTS, ROUNDS_KEYS], r] = (1, tts_runs, row.llm_position < row.round_keys_until)
+            ints[[RUNS, HEARS, RUNS_TTS, ROUNDS_KEYS], r] = (1, hears, tts_runs, row.llm_position < row.round_keys_until)
             if given.tools is not None and given.tools.forcing:  # force_tokens / a tool result
                 ints[FORCED_TEXT:FORCES_FUNCTION + 1, r] = given.tools.take_forced()
+            if given.text >= 0:  # the step's own text id wins over the tool channel's
+                ints[[FORCED_TEXT, FORCES_TEXT], r] = (given.text, 1)
+            ints[SPOKEN, r] = given.spoken
             if tts_runs:
                 generators[r] = given.generator
             ints[DRAWS, r] = generators[r] is not None
@@ -435,7 +455,9 @@ class FrameStep:
                        turns=turns is not None, punctuating=turns is not None and turns.punctuating,
                        sampling=bool(samplers), mixed=mixed, all_tts=not static and bool(ints[RUNS_TTS].all()),
                        round_keys=self._rounds_keys if static else bool(ints[ROUNDS_KEYS].any()),
-                       forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()), in_place=static)
+                       forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()),
+                       off_clock=static or any(given.samples is None for given in inputs.values()),
+                       speaking=static or bool((ints[SPOKEN] >= 0).any()), in_place=static)
         # The Conformer ring: the first `length` slots while the running rows are aligned and filling (eager;
         # compiled, the whole ring, masked: a fixed shape).
         run = [int(ints[FRAME, r]) for r in inputs]  # the frames each running row has run
@@ -451,8 +473,8 @@ class FrameStep:
         if turns is not None:  # per row: held, text held at PAD, start-of-call id (rides in the same copy)
             holds = np.zeros((3, batch), dtype=np.int64)
             holds[2] = -1
-            for r, given in inputs.items():
-                holds[:, r] = (given.held, given.pad_text, given.call_start)
+            for r, given in inputs.items():  # a step off the clock heard nothing: the policy skips it
+                holds[:, r] = (given.held or given.samples is None, given.pad_text, given.call_start)
             sizes.append(3 * batch)
             host.append(holds.ravel())
         with torch.inference_mode():
@@ -489,20 +511,27 @@ class FrameStep:
         own = torch.clone if flags.in_place else _same
         table = step.table
         frame_index, llm_pos = table[FRAME], table[LLM_POSITION]
-        state = self._recurrent() if turns is None else \
-            self._recurrent() + [((turns, name), 0, 1) for name in turns.STATE + ("reason",)]
+        # The state to put back for rows that sit out, its first `heard` entries also for rows off the clock.
+        heard = self._heard() + ([] if turns is None else [((turns, name), 0, 1) for name in turns.STATE])
+        state = heard + self._spoken() + ([] if turns is None else [((turns, "reason"), 0, 1)])
         buffers = [_get(ref) for ref, _, _ in state]
-        saved = [t.clone() for t in buffers] if flags.restore else []
+        saved = [t.clone() if flags.restore or flags.off_clock and i < len(heard) else None
+                 for i, t in enumerate(buffers)]
         encoder = self._perception.encoder
         conformer_rows = ConformerRows(own(step.row_numbers[:batch]), own(step.conformer_slot), own(step.conformer_columns),
                                        encoder.ring_mask(frame_index, self._conformer), step.conformer_columns.shape[1])
         projected, encoded = self._perceive(step.frames, frame_index, conformer_rows)
+        hears = table[HEARS].bool() if flags.off_clock else None
+        if hears is not None:  # NVIDIA's silence embedding on the user channel of rows that hear no audio
+            projected = torch.where(hears[:, None, None], projected, self._silence_embedding.to(projected.dtype))
         mark()
         transcript_ids = self._transcriber.forward_step(encoded, self._rnnt)  # [S, batch]
         if turns is not None:
             user_blank = transcript_ids[0] < 0  # the frame's first argmax was blank (before punctuation)
             if flags.punctuating:
-                transcript_ids = self._punctuate(turns, encoded, transcript_ids)
+                transcript_ids = turns.punctuate_rows(self._transcriber, self._rnnt, encoded, transcript_ids)
+        if hears is not None:  # a row off the clock transcribes nothing
+            transcript_ids = torch.where(hears, transcript_ids, -1)
         mark()
         fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:], cfg.function_channel_weight)
         round_keys = table[ROUNDS_KEYS].bool() if flags.round_keys else None
@@ -512,7 +541,7 @@ class FrameStep:
         if flags.forcing:  # force_tokens / a tool result: queued ids replace a row's outputs
             ids = torch.where(table[FORCES_TEXT:FORCES_FUNCTION + 1].t().bool(), table[FORCED_TEXT:FORCED_FUNCTION + 1].t(), ids)
         if turns is not None:
-            ids = self._take_turns(turns, ids, user_blank, step.hold)
+            ids = turns.take_turns(ids, user_blank, step.hold)
         self._ids = ids
         mark()
         tts_rows = TTSRows.make(own(step.tts_positions), self._tts.capacities(), self._speech.tts_model.backbone.window,
@@ -520,7 +549,10 @@ class FrameStep:
         deterministic: bool | torch.Tensor = not flags.sampling
         if flags.mixed:  # rows that draw nothing this step take the most likely component
             deterministic = table[DRAWS] == 0
-        codes = self._speech.step(self._codes, ids[:, 0], self._tts, step.draws, deterministic, tts_rows)
+        spoken = ids[:, 0]
+        if flags.speaking:  # the TTS speaks a row's own id (an acknowledgement) instead of its text id
+            spoken = torch.where(table[SPOKEN] >= 0, table[SPOKEN], spoken)
+        codes = self._speech.step(self._codes, spoken, self._tts, step.draws, deterministic, tts_rows)
         if not flags.all_tts:  # a row at timeline position 0 runs no TTS: silence, its codes kept
             tts_runs = table[RUNS_TTS, :, None, None].bool()
             codes = torch.where(tts_runs, codes, self._silence)
@@ -531,10 +563,11 @@ class FrameStep:
         clean = self._speech.replace_control_codes(codes)
         samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
         runs = table[RUNS].bool()
-        for (ref, axis, per), buffer, before in zip(state, buffers, saved or [None] * len(state)):
+        for i, ((ref, axis, per), buffer, before) in enumerate(zip(state, buffers, saved)):
             new = _get(ref)
-            if before is not None:  # a row that sat out: as it was
-                keep = runs.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
+            if before is not None:  # a row that sat out, or (what it heard) was off the clock: as it was
+                kept = hears if hears is not None and i < len(heard) else runs
+                keep = kept.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
                 new = torch.where(keep, new, before)
             if flags.in_place and new is not buffer and new.dtype == buffer.dtype:
                 buffer.copy_(new)  # compiled: the step's buffers stay its own (what CUDA graphs replay)
@@ -547,31 +580,6 @@ class FrameStep:
         if turns is not None:
             values.append(turns.reason[:, None])
         return torch.cat(values, dim=1)
-
-    def _punctuate(self, turns: TurnTaking, encoded: torch.Tensor, transcript_ids: torch.Tensor) -> torch.Tensor:
-        """The transcript punctuation bias (``TurnTaking.punctuate``) on the frame's RNNT ids: the joint's
-        first prediction again (a blank row's state is the one it was made from), and the predictor
-        advanced through the punctuation a row emits."""
-        joint, decoder = self._transcriber.joint, self._transcriber.decoder
-        hc = self._rnnt.hc
-        frame_bias = joint.enc(encoded.reshape(encoded.shape[0], -1)) + joint.pred.bias
-        logits = joint.joint_net(linear(hc[-1], joint.pred.weight, frame_bias))
-        transcript_ids, emit = turns.punctuate(logits, transcript_ids)
-        advanced = decoder.step(decoder.input_gates(transcript_ids[0].clamp(min=0)), hc[:2 * decoder.layers],
-                                with_output=True)
-        self._rnnt.hc = torch.where(emit[:, None], advanced, hc)
-        return transcript_ids
-
-    def _take_turns(self, turns: TurnTaking, ids: torch.Tensor, user_blank: torch.Tensor,
-                    hold: torch.Tensor) -> torch.Tensor:
-        """The policy on the frame's ``[batch, 2]`` ids, after tool forcing (NVIDIA's frame order): a tool
-        call holds the text at PAD from its start-of-call token on, and a held row skips the policy;
-        ``user_blank`` is the RNNT's first argmax of the frame being blank (it emitted nothing)."""
-        held, pad_text, call_start = hold.unbind(0)
-        starts = ids[:, 1] == call_start
-        text = torch.where(pad_text.bool() | starts, self.config.pad_token_id, ids[:, 0])
-        text = turns.step(text, user_blank, held.bool() | starts)
-        return torch.stack([text, ids[:, 1]], dim=1)
 
     def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor,
                   rows: ConformerRows) -> tuple[torch.Tensor, torch.Tensor]:

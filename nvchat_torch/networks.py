@@ -4,6 +4,7 @@ adds the ways to run it and the loader."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,12 @@ from .language_heads import fuse_heads
 from .nemotron_h import NemotronHModel
 from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4
 from .rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
+from .speech_track import SpeechTracks
 from .tts import SpeechDecoder, TTSPrompt
 
 __all__ = ["DuplexSTTModel", "VoiceChatNetworks", "recast_error"]
+
+_MAKING_TRACKS = threading.Lock()  # sessions on several threads may ask a model for its tracks first at once
 
 
 class DuplexSTTModel(nn.Module):
@@ -61,6 +65,8 @@ class VoiceChatNetworks(nn.Module):
         self.tokenizer = None
         self.fused_heads: nn.Module | None = None  # set by prepare(): lm_head and function_head as one matmul
         self._tts_prompt: TTSPrompt | None = None
+        self._speech_tracks: SpeechTracks | None = None
+        self._silence: torch.Tensor | None = None  # silence_embedding()
         self.source = "random weights"
         self.prepared = False
         self.fused_cpu_off: str | None = "not prepared"  # why the fused CPU kernels don't run (None: they do)
@@ -89,12 +95,14 @@ class VoiceChatNetworks(nn.Module):
         for module in self.modules():
             if hasattr(module, "activation_dtype"):
                 setattr(module, "activation_dtype", dtype)
+        self.forget_speech_tracks()
 
     def init_constants(self, device: torch.device | str | None = None) -> None:
         """(Re)compute every derived constant (windows, DFT bases, rotary tables) on ``device``."""
         self.stt_model.perception.init_constants(device)
         self.stt_model.rnnt_decoder.init_constants(device)
         self.tts_model.init_constants(device)
+        self.forget_speech_tracks()
 
     def prepare(self, int4: bool = True, kernel: Int4Kernel | None = None, fused_cpu: bool | None = None) -> Self:
         """Speed-up transforms applied after loading (they change the state_dict layout, not the outputs):
@@ -129,6 +137,7 @@ class VoiceChatNetworks(nn.Module):
         self.tts_model.audio_codec.release_encoder()
         return_freed_memory()
         self.prepared = True
+        self.forget_speech_tracks()  # made by the unprepared layers, which round differently
         return self.requires_grad_(False)  # the fused modules' new parameters too
 
     def compile_step(self, backend: str | Callable[..., Any] = "inductor", mode: str | None = None) -> Self:
@@ -146,6 +155,7 @@ class VoiceChatNetworks(nn.Module):
             setattr(module, flag, False)
         self.fused_cpu_off = "not used under compile_step (the compiled step fuses the composite code)"
         self.step_compiler = compiler
+        self.forget_speech_tracks()  # made with the fused CPU kernels, which the prefill now goes without
         return self
 
     # ---- casts. A prepared model computes in the dtypes load_model chose, so it refuses a cast that
@@ -155,6 +165,7 @@ class VoiceChatNetworks(nn.Module):
     def to(self, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if not self.prepared:
+            self.forget_speech_tracks()
             return cast(self, *args, **kwargs)
         if dtype is not None and dtype != self.dtype:
             raise recast_error(f".to({dtype})")
@@ -169,6 +180,7 @@ class VoiceChatNetworks(nn.Module):
     def _cast(self, dtype: torch.dtype, call: str) -> Self:
         if self.prepared:
             raise recast_error(call)
+        self.forget_speech_tracks()
         return cast(self, dtype)
 
     def half(self) -> Self:  # type: ignore[override]
@@ -207,6 +219,30 @@ class VoiceChatNetworks(nn.Module):
         elif self._tts_prompt.codes.device != self.device:  # the model moved since
             self._tts_prompt = self._tts_prompt.to(self.device)
         return self._tts_prompt
+
+    def silence_embedding(self) -> torch.Tensor:
+        """What a step off the clock hears on the user channel, ``[1, 1, H]`` in the activation dtype:
+        NVIDIA's silence embedding (:meth:`Perception.silence`), the same for every session, so computed
+        once, on the model's device."""
+        if self._silence is None or self._silence.device != self.device:
+            with torch.inference_mode():
+                self._silence = self.stt_model.perception.silence().to(self.dtype)
+        return self._silence
+
+    def speech_tracks(self) -> SpeechTracks:
+        """The TTS prefill tracks this model's sessions share (:mod:`~nvchat_torch.speech_track`), made on
+        first use; ``speech_tracks().max_bytes`` bounds them (0: none kept, each session runs its own steps)."""
+        if self._speech_tracks is None:
+            with _MAKING_TRACKS:
+                if self._speech_tracks is None:
+                    self._speech_tracks = SpeechTracks(self.tts_model, self.tts_prompt)
+        return self._speech_tracks
+
+    def forget_speech_tracks(self) -> None:
+        """Drop the prefill tracks (if any were made): what changes the TTS's weights or how it computes
+        (a cast, ``prepare``, ``compile_step``, adapters; a training step in place: call this) makes them stale."""
+        if self._speech_tracks is not None:
+            self._speech_tracks.clear()
 
     def describe(self) -> str:
         """The model in one paragraph: size, mode, and the kernel path each kind of layer takes."""

@@ -67,6 +67,14 @@ class Perception(nn.Module):
         encoded = self.encoder.forward_step(mel, cache, rows)
         return self.proj(encoded), encoded
 
+    def silence(self) -> torch.Tensor:
+        """NVIDIA's input for a step that hears no audio (a step off the clock): the first projected frame
+        of one second of zeros, run offline (``_create_silence_embedding_cache`` in NeMo's VoiceChat
+        inference wrapper). ``[1, 1, H]``."""
+        mel = self.log_mel
+        zeros = torch.zeros(mel.config.sample_rate, dtype=torch.float32, device=next(self.parameters()).device)
+        return self(mel(zeros))[0][:, :1]
+
     def uncached_frame(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's cache-free path: mel + encoder over the last window of ``samples`` (the
         audio so far), keeping encoder frame -2 (the last one sees the STFT's right-edge padding).

@@ -12,7 +12,7 @@ per stage when profiling).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -44,7 +44,42 @@ if TYPE_CHECKING:
 # of numbers (ints are int16 PCM); generate also takes a file path.
 AudioInput = Union[np.ndarray, torch.Tensor, Sequence[float], Sequence[int]]
 
-__all__ = ["StreamingSession", "generate_offline"]
+__all__ = ["StreamingSession", "OffClock", "off_clock_steps", "generate_offline"]
+
+
+@dataclass(frozen=True)
+class OffClock:
+    """One step off the clock: it hears NVIDIA's silence embedding instead of audio. ``text``: the text id
+    it forces (-1: the model's own), ``spoken``: the id its TTS speaks instead of the text id (-1: the
+    text id), ``keep_audio``: whether its 80 ms of speech comes out as an ``audio`` event (the codec
+    runs either way, so the speech that follows is continuous)."""
+
+    text: int = -1
+    spoken: int = -1
+    keep_audio: bool = True
+
+
+def off_clock_steps(count: int, text: int | None, speak: Sequence[int] | None, keep_audio: bool,
+                    vocab_size: int) -> list[OffClock]:
+    """``count`` steps off the clock (see :meth:`StreamingSession.step_off_clock`), checked: a bad argument
+    raises ``ValueError`` naming it."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative int, got {count!r}")
+
+    def token(value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
+            raise ValueError(f"{name} must be a token id in [0, {vocab_size}), got {value!r}")
+        return int(value)
+
+    forced = -1 if text is None else token(text, "text")
+    if isinstance(speak, (str, bytes)) or speak is not None and not isinstance(speak, (Sequence, np.ndarray)):
+        raise ValueError(f"speak must be a list of token ids, got {type(speak).__name__}")
+    spoken = [] if speak is None else [token(i, "speak") for i in speak]
+    if len(spoken) > count:
+        raise ValueError(f"speak has {len(spoken)} ids for {count} step(s): at most one per step")
+    if not isinstance(keep_audio, bool):
+        raise ValueError(f"keep_audio must be a bool, got {keep_audio!r}")
+    return [OffClock(forced, spoken[i] if i < len(spoken) else -1, keep_audio) for i in range(count)]
 
 class StreamingSession:
     """One full-duplex conversation: push 16 kHz audio, get frame-aligned events back.
@@ -68,7 +103,8 @@ class StreamingSession:
         # How a frame step's packed row reads back (the step packs by the same layout).
         self.frame_layout = PackedLayout(cfg.audio_config.max_symbols, cfg.tts_config.num_quantizers,
                                          cfg.output_frame_samples)
-        self.frame_index = 0
+        self.frame_index = 0  # steps run after the prompt, heard or off the clock
+        self.input_frames = 0  # audio frames heard
         self.closed = False
         self._failure: BaseException | None = None  # what closed the session mid-frame
         self.last_ids: tuple[int, int] | None = None  # the latest frame's (text, function) token ids
@@ -211,6 +247,27 @@ class StreamingSession:
                 raise
         return events
 
+    def step_off_clock(self, count: int, *, text: int | None = None, speak: Sequence[int] | None = None,
+                       keep_audio: bool = True) -> list[VoiceChatEvent]:
+        """Run ``count`` timeline steps now that hear no audio (NVIDIA's silence embedding on the user
+        channel, as its tool pipeline runs a call off the clock); returns their events. ``text``: the text
+        id every step forces (say PAD; None: the model's own), ``speak``: ids its TTS speaks instead, one per
+        step from the first (an acknowledgement), ``keep_audio``: whether their speech comes out as
+        ``audio`` events. The steps advance :attr:`frame_index` and the context, not
+        :attr:`input_frames`; their events carry ``input_frame=None``. Buffered audio stays buffered.
+        A bad argument raises ``ValueError`` and steps past the limit :class:`ContextLimit`, before
+        anything runs."""
+        self._check_usable("step_off_clock")
+        if self.closed:
+            raise RuntimeError("step_off_clock: the session is closed (flushed or cancelled); create a new one")
+        steps = off_clock_steps(count, text, speak, keep_audio, self.config.text_config.vocab_size)
+        self.check_room(self.frame_index + count)
+        self._finish_prefill()
+        events: list[VoiceChatEvent] = []
+        for step in steps:
+            events += self._step(None, step)
+        return events
+
     def flush(self, pad_partial: bool = True) -> list[VoiceChatEvent]:
         """End the stream: zero-pad and run the partial frame if asked (not past the session's limit:
         then it is dropped), close, emit ``done``."""
@@ -282,19 +339,26 @@ class StreamingSession:
                                f"{type(self._failure).__name__}: {self._failure}; create a new one") from self._failure
 
     # ---- the frame loop
-    def _step(self, frame: np.ndarray) -> list[VoiceChatEvent]:
-        """One frame, or ContextLimit before it (nothing changes); a failure inside closes the session,
-        as its caches may be partly advanced."""
-        if self.frame_index >= self.max_frames:
-            ms = self.config.frame_duration * 1000
-            if self.max_frames < self.model_max_frames:
-                raise ContextLimit(f"the session reached max_streaming_seconds={self.options.max_streaming_seconds} "
-                                   f"({self.max_frames} frames of {ms:.0f} ms)")
-            raise ContextLimit(f"the session reached the model's context: {self.max_frames} frames of {ms:.0f} ms "
-                               f"({self.max_seconds / 60:.1f} min) after the system prompt, within "
-                               f"max_position_embeddings={self.config.text_config.max_position_embeddings}")
+    def check_room(self, steps: int) -> None:
+        """Raise :class:`ContextLimit` unless ``steps`` steps after the prompt fit the session's limit (every
+        step, heard or off the clock, takes one position of the context)."""
+        if steps <= self.max_frames:
+            return
+        ms = self.config.frame_duration * 1000
+        if self.max_frames < self.model_max_frames:
+            raise ContextLimit(f"the session reached max_streaming_seconds={self.options.max_streaming_seconds} "
+                               f"({self.max_frames} steps of {ms:.0f} ms)")
+        raise ContextLimit(f"the session reached the model's context: {self.max_frames} steps of {ms:.0f} ms "
+                           f"({self.max_seconds / 60:.1f} min) after the system prompt, within "
+                           f"max_position_embeddings={self.config.text_config.max_position_embeddings}")
+
+    def _step(self, frame: np.ndarray | None, off_clock: OffClock | None = None) -> list[VoiceChatEvent]:
+        """One step (a heard frame, or ``off_clock``), or ContextLimit before it (nothing changes); a
+        failure inside closes the session, as its caches may be partly advanced."""
+        self.check_room(self.frame_index + 1)
         try:
-            return self._audio_frame(frame)
+            packed, stamps = self._frame_step.run({self._slot: self.frame_input(frame, off_clock)}, self.options.profile)
+            return self.frame_done(packed[self._slot], stamps, off_clock)
         except BaseException as error:
             self._failure = error
             try:
@@ -303,23 +367,21 @@ class StreamingSession:
                 self.closed = True
             raise
 
-    def _audio_frame(self, frame: np.ndarray) -> list[VoiceChatEvent]:
-        packed, stamps = self._frame_step.run({self._slot: self.frame_input(frame)}, self.options.profile)
-        return self.frame_done(packed[self._slot], stamps)
-
     # ---- what a frame step takes from this session and gives back (its own, or an engine's)
-    def frame_input(self, samples: np.ndarray) -> FrameInput:
-        """This session's row of a frame step: the samples, its generator (none when deterministic), its
-        tool channel (the ids it forces) and, with turn-taking, what holds it: a tool call in progress
+    def frame_input(self, samples: np.ndarray | None, off_clock: OffClock | None = None) -> FrameInput:
+        """This session's row of a frame step: the samples (None with ``off_clock``: a step that hears
+        none), its generator (none when deterministic), its tool channel (the ids it forces), what a step
+        off the clock forces and speaks, and, with turn-taking, what holds it: a tool call in progress
         (from its start-of-call token until its result has been fed in) or a forced text id."""
         generator = None if self.options.deterministic else self._timeline.generator
+        text, spoken = (-1, -1) if off_clock is None else (off_clock.text, off_clock.spoken)
         if self.options.turn_taking is None:
-            return FrameInput(samples, generator, self._tools)
+            return FrameInput(samples, generator, self._tools, text=text, spoken=spoken)
         tools = self._tools
         in_call = tools.in_call or bool(tools.awaiting) or tools.injecting
-        forced = tools.text_forced
+        forced = tools.text_forced or text >= 0
         return FrameInput(samples, generator, tools, held=in_call or forced, pad_text=in_call and not forced,
-                          call_start=tools.start_id if tools.parsing else -1)
+                          call_start=tools.start_id if tools.parsing else -1, text=text, spoken=spoken)
 
     def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
         """Turn-taking from the next frame on (see ``StreamingOptions.turn_taking``): switched on it starts
@@ -330,16 +392,19 @@ class StreamingSession:
         if self._slot is not None:
             self._frame_step.set_turn_taking(self._slot, config)
 
-    def frame_done(self, packed: np.ndarray, stamps: list[float]) -> list[VoiceChatEvent]:
+    def frame_done(self, packed: np.ndarray, stamps: list[float],
+                   off_clock: OffClock | None = None) -> list[VoiceChatEvent]:
         """The events of this session's row of a step that ran (``packed``: its values, read from the
-        device); records the step's stage times when profiling, and advances the frame counters."""
+        device; ``off_clock``: the step off the clock it was); records the step's stage times when
+        profiling, and advances the step (and heard frame) counters."""
         if self.options.profile:
             self.profile.frames.append(FrameTiming.from_stamps(self.frame_index, stamps))
-        events = self._frame_events(packed)
+        events = self._frame_events(packed, off_clock)
         self.frame_index += 1
+        self.input_frames += off_clock is None
         return events
 
-    def _frame_events(self, packed: np.ndarray) -> list[VoiceChatEvent]:
+    def _frame_events(self, packed: np.ndarray, off_clock: OffClock | None) -> list[VoiceChatEvent]:
         out = self.frame_layout.unpack(packed)
         transcript_ids, text_id, function_id, codes, samples = (out.transcript_ids, out.text_id, out.function_id,
                                                                  out.codes, out.samples)
@@ -358,8 +423,12 @@ class StreamingSession:
             if update is not None:
                 events.append(VoiceChatEvent(kind, i, token_id=token, delta=update[0], text=update[1]))
         events += self._tools.feed(function_id, i)
-        events.append(VoiceChatEvent("audio", i, samples=samples, sample_rate=self.config.output_sample_rate,
-                                     audio_codes=codes))
+        if off_clock is None or off_clock.keep_audio:
+            events.append(VoiceChatEvent("audio", i, samples=samples, sample_rate=self.config.output_sample_rate,
+                                         audio_codes=codes))
+        if off_clock is None:
+            for event in events:
+                event.input_frame = self.input_frames
         return events
 
 

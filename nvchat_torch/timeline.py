@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 __all__ = ["Timeline", "PREFILL_CHUNK"]
 
 # Prompt positions per LLM call of the prefill: one piece of a deferred prefill. A quarter of the SSD
-# chunk: on the deep preset a 256-position call takes 280 ms against 44 ms for 64 (the scan's cost
-# grows with the chunk squared), and a piece longer than an 80 ms tick delays the streaming sessions.
+# chunk: on the deep preset it is also the fastest per position with nobody else to wait for (0.60 ms
+# a position, against 0.66 for 128, 1.14 for 256 and 1.07 for a 570-token prompt whole: the scan's cost
+# grows with the chunk squared; benchmarks.prefill), and a piece longer than an 80 ms tick would
+# delay the streaming sessions.
 PREFILL_CHUNK = SSD_CHUNK // 4
 
 
@@ -40,10 +42,12 @@ class Timeline:
         self.heads = model.vocabulary_heads()
         self.language_cache = stt.llm.new_cache() if use_language_cache else None
         self.history: list[torch.Tensor] = []
+        self.seed = seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # Seeded before the warmup, as the reference; the warmup itself draws nothing.
-        self.tts_cache, self.previous_code = model.tts_model.start(model.tts_prompt())
+        # Seeded before the warmup, as the reference; the warmup itself draws nothing. The warmup is the
+        # same for every session: a copy of the model's prefill track's start (speech_track.SpeechTracks).
+        self.tts_cache, self.previous_code = model.speech_tracks().start(seed, deterministic)
         self.pad = torch.full((1, 1), cfg.pad_token_id, dtype=torch.long, device=self.device)
         self.prev_text = self.prev_function = self.pad
         self.silence = model.tts_model.silence_codes(torch.long).view(1, 1, -1)
@@ -68,10 +72,12 @@ class Timeline:
         """The system prompt ``[1, n, H]`` on the user channel with the output channels off (PAD), one
         piece of work per ``next``: the LLM over the prompt in calls of ``PREFILL_CHUNK`` positions (its
         inputs do not depend on its outputs, and each call continues the cache: the split changes the
-        scan's rounding only, far below what flips an output), then the TTS steps one by one as the
-        reference runs them (text PAD;
-        position 0 runs no TTS). Each ``next`` yields whether more pieces follow, so a caller (the
-        engine's deferred prefill) can spread a long prompt over many frames of other sessions."""
+        scan's rounding only, far below what flips an output), then the TTS, whose steps see PAD text
+        only (position 0 runs none): on a fresh timeline the state after them is copied from the model's
+        prefill track (:mod:`~nvchat_torch.speech_track`; a piece per step the track still lacks, then the
+        copy), exactly what the steps would leave, and any steps past what the track may hold run here one
+        by one as the reference runs them. Each ``next`` yields whether more pieces may follow, so a caller
+        (the engine's deferred prefill) can spread a long prompt over many frames of other sessions."""
         n = user.shape[1]
         if not n:
             return
@@ -93,9 +99,18 @@ class Timeline:
             yield True
         self.last_hidden = hidden[:, -1:]
         self.prev_text = self.prev_function = self.pad
-        for t in range(n):
+        end = self.index + n
+        if self.index == 0:  # the first n - 1 positions' TTS steps (position 0 runs none), from the track
+            taken = yield from self.model.speech_tracks().prefix(self.seed, self.deterministic, n - 1)
+            if taken is not None:
+                self.tts_cache, self.previous_code = taken.cache, taken.previous_code
+                if taken.generator_state is not None:
+                    self.generator.set_state(taken.generator_state)
+                self.index = taken.steps + 1
+                yield self.index < end
+        while self.index < end:
             self.speech(self.pad.view(1))
-            yield t + 1 < n
+            yield self.index < end
 
     def language(self, user: torch.Tensor, generate: bool) -> torch.Tensor | None:
         """One LLM step on the user channel ``[1, 1, H]``; the ``[2]`` (text, function) ids when ``generate``."""

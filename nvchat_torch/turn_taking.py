@@ -26,10 +26,15 @@ pieces' joint logits so the transcript gets sentence ends. It never changes ``us
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from .layers import linear
+
+if TYPE_CHECKING:
+    from .rnnt import RnntState, RnntTranscriber
 
 __all__ = ["TurnTakingConfig", "TurnTaking", "REASONS", "reasons_of", "punctuation_ids"]
 
@@ -302,6 +307,32 @@ class TurnTaking:
         self.flags = torch.stack([speaking, confirmed, first_turn, user_first_turn, held, exempt, words], dim=1)
         self.density = density
         return out  # a row without a config: never `go`, so its id is as given
+
+    def take_turns(self, ids: torch.Tensor, user_blank: torch.Tensor, hold: torch.Tensor) -> torch.Tensor:
+        """The policy on a frame step's ``[batch, 2]`` ids, after tool forcing (NVIDIA's frame order): a tool
+        call holds the text at PAD from its start-of-call token on, and a held row skips the policy;
+        ``user_blank`` is the RNNT's first argmax of the frame being blank (it emitted nothing); ``hold``
+        ``[3, batch]``: held, text held at PAD, start-of-call id."""
+        held, pad_text, call_start = hold.unbind(0)
+        starts = ids[:, 1] == call_start
+        text = torch.where(pad_text.bool() | starts, self.pad_id, ids[:, 0])
+        text = self.step(text, user_blank, held.bool() | starts)
+        return torch.stack([text, ids[:, 1]], dim=1)
+
+    def punctuate_rows(self, transcriber: RnntTranscriber, state: RnntState, encoded: torch.Tensor,
+                       transcript_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`punctuate` on a frame step's RNNT ids: the joint's first prediction again (a blank row's
+        state is the one it was made from), and the predictor advanced through the punctuation a row
+        emits (``state`` updated)."""
+        joint, decoder = transcriber.joint, transcriber.decoder
+        hc = state.hc
+        frame_bias = joint.enc(encoded.reshape(encoded.shape[0], -1)) + joint.pred.bias
+        logits = joint.joint_net(linear(hc[-1], joint.pred.weight, frame_bias))
+        transcript_ids, emit = self.punctuate(logits, transcript_ids)
+        advanced = decoder.step(decoder.input_gates(transcript_ids[0].clamp(min=0)), hc[:2 * decoder.layers],
+                                with_output=True)
+        state.hc = torch.where(emit[:, None], advanced, hc)
+        return transcript_ids
 
     def punctuate(self, logits: torch.Tensor, transcript_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The transcript punctuation bias (``rnnt_punct_bias_*``), run after the frame's RNNT step and

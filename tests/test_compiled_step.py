@@ -23,6 +23,8 @@ from nvchat_torch.diagnostics import count_host_reads, kernel_launches
 from nvchat_torch.doctor import CompositePath
 from test_engine import Plan, assert_same_events, run_alone, run_engine
 from test_layouts import LAYOUTS
+from test_off_clock import assert_schedule_matches
+from test_off_clock import run_reference as run_off_clock_reference
 from test_session import PROMPT, run_reference_stream, run_stream
 
 FRAME = 1280
@@ -167,6 +169,9 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     plans = [Plan(PROMPT, 0, wave, (FRAME,)), Plan("hi", 1, synth_audio(0.8, seed=1), (FRAME, 777), start=2)]
     for plan, events in zip(plans, run_engine(model, plans)):
         assert_same_events(events, run_alone(eager, plan), atol=1e-3)
+    # Steps off the clock through the same graph (its flags are fixed): the reference's outputs, driven
+    # the same way (tests/test_off_clock.py).
+    assert_schedule_matches(model, wave, run_off_clock_reference(reference(path), wave, PROMPT))
     # The graphs were stored (compiled ahead): a later load finds them, and runs without compiling (the
     # compiler's front end traces nothing), the reference's outputs again, and past both caches' growth.
     # (Three frame steps ran: two sessions and the engine; the sessions share the batch-1 graph.)

@@ -32,10 +32,15 @@ def tiny():
 
 def small_context_model(max_positions: int) -> VoiceChatModel:
     """The tiny model with a short LLM context, to reach the model's own limit quickly."""
-    values = tiny_config_dict("tiny")
-    values["text_config"]["max_position_embeddings"] = max_positions
+    return tiny_model_with("text_config", max_position_embeddings=max_positions)
+
+
+def tiny_model_with(section: str, **values) -> VoiceChatModel:
+    """The tiny model (random weights, prepared) with ``values`` set in its config's ``section``."""
+    config = tiny_config_dict("tiny")
+    config[section].update(values)
     with torch.device("cpu"), torch.no_grad():
-        model = VoiceChatModel(VoiceChatConfig.from_dict(values))
+        model = VoiceChatModel(VoiceChatConfig.from_dict(config))
     tokenizer = _hf_tokenizer()
     randomize_(model, 0, tokenizer.get_vocab())
     model.eval().requires_grad_(False)

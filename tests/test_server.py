@@ -387,7 +387,9 @@ def test_api_key_health_and_disconnect_frees_the_session(model, question):
     with serve(model, api_key="s3cret", max_sessions=3, model_name="tiny") as (address, app):
         health = get_json(f"http://{address}/health")
         assert health == {"status": "ok", "model": "tiny", "device": "cpu", "dtype": "float32",
-                          "active_sessions": 0, "max_sessions": 3, "median_step_ms": 0.0, "max_step_ms": 72.0}
+                          "active_sessions": 0, "max_sessions": 3, "median_step_ms": 0.0, "max_step_ms": 72.0,
+                          "catch_up": True, "catch_up_steps": 0, "sessions": [], "worst_lag_frames": 0,
+                          "worst_lag_ms": 0.0}
         asyncio.run(run(address))
         assert app.state.realtime.scheduler.active == 0
 
@@ -597,7 +599,8 @@ def test_scheduler_steps_the_sessions_together_on_its_clock(model):
     from nvchat_torch.server.scheduler import FrameScheduler
 
     clock = 0.03
-    scheduler = FrameScheduler(model, max_sessions=2, clock=clock)
+    # without catch-up steps, which would run the queued frames between the ticks (tests/test_server_lag.py)
+    scheduler = FrameScheduler(model, max_sessions=2, clock=clock, catch_up=False)
     outputs: dict[str, list] = {"a": [], "b": []}
     opened = {"a": threading.Event(), "b": threading.Event()}
     done = {"a": threading.Event(), "b": threading.Event()}

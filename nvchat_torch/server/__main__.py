@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without --api-key (anyone who can reach it can use the model)")
     p.add_argument("--max-buffer-seconds", type=float, default=None,
                    help="input audio a session may queue beyond what has run (default 30 s); more is refused")
+    p.add_argument("--no-catch-up", action="store_true",
+                   help="run at most one frame per session per 80 ms tick: a session whose audio arrives late stays "
+                        "that late (by default it gets extra steps in the spare time of each tick until it is back "
+                        "to real time, docs/server.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the model (default: half of torch's default, at least 1: the "
                         "steps' many small ops contend with the server's own threads; on 2 cores one thread "
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model.describe()}", file=sys.stderr)
     extra = {} if args.max_buffer_seconds is None else {"max_buffered_seconds": args.max_buffer_seconds}
     app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key,
-                     allow_origins=args.allow_origin, turn_taking=args.turn_taking == "on", **extra)
+                     allow_origins=args.allow_origin, turn_taking=args.turn_taking == "on",
+                     catch_up=not args.no_catch_up, **extra)
     print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
           f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
     try:

@@ -102,7 +102,7 @@ class RealtimeServer:
                  max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                  max_buffered_seconds: float = MAX_BUFFERED_SECONDS, max_unsent_seconds: float = MAX_UNSENT_SECONDS,
                  turn_taking: Any = True, max_step_fraction: float = MAX_STEP_FRACTION,
-                 prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
+                 prompt_cache_bytes: int = PROMPT_CACHE_BYTES, catch_up: bool = True):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         for name, value in (("max_buffered_seconds", max_buffered_seconds), ("max_unsent_seconds", max_unsent_seconds)):
@@ -122,7 +122,7 @@ class RealtimeServer:
         # Outputs (one per frame, mostly) a connection may hold unsent, whatever their age: memory stays bounded.
         self.max_unsent_outputs = 4 * math.ceil(max_unsent_seconds / model.config.frame_duration) + 16
         self.scheduler = FrameScheduler(model, max_sessions=max_sessions, clock=clock,
-                                        prompt_cache_bytes=prompt_cache_bytes)
+                                        prompt_cache_bytes=prompt_cache_bytes, catch_up=catch_up)
         self._lock = threading.Lock()
         self.active = 0
 
@@ -155,17 +155,20 @@ class RealtimeServer:
         return given is not None and keys_equal(given, self.api_key)
 
     def health(self) -> dict:
+        """``GET /health``: the model, the sessions, the step time against its limit, and the sessions' lags."""
         return {"status": "ok", "model": self.model_name, "device": str(self.model.device),
                 "dtype": str(self.model.dtype).replace("torch.", ""), "active_sessions": self.active,
                 "max_sessions": self.max_sessions, "median_step_ms": round(self.scheduler.median_step_s() * 1000, 1),
-                "max_step_ms": round(self.max_step_s * 1000, 1)}
+                "max_step_ms": round(self.max_step_s * 1000, 1), "catch_up": self.scheduler.catch_up,
+                "catch_up_steps": self.scheduler.catch_up_steps, **self.scheduler.lag_report()}
 
 
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
                max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,
                allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
                max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True,
-               max_step_fraction: float = MAX_STEP_FRACTION, prompt_cache_bytes: int = PROMPT_CACHE_BYTES) -> FastAPI:
+               max_step_fraction: float = MAX_STEP_FRACTION, prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
+               catch_up: bool = True) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
     sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
     Browser pages of other origins than the server's own are refused unless in ``allow_origins``
@@ -175,12 +178,12 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     True is NVIDIA's (docs/turn_taking.md), False the raw model, or a ``TurnTakingConfig``. The server
     is full at ``max_sessions``, or while its median step is ``max_step_fraction`` of the frame or more:
     a WebSocket upgrade is then refused with HTTP 503 and a JSON reason. Prefilled prompts are kept for
-    the next session with the same one, up to ``prompt_cache_bytes`` (0: none)."""
-    server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key,
-                            max_message_bytes=max_message_bytes, clock=clock,
-                            max_buffered_seconds=max_buffered_seconds, max_unsent_seconds=max_unsent_seconds,
-                            turn_taking=turn_taking, max_step_fraction=max_step_fraction,
-                            prompt_cache_bytes=prompt_cache_bytes)
+    the next session with the same one, up to ``prompt_cache_bytes`` (0: none). ``catch_up``: a session
+    behind gets extra steps between the ticks (False: one frame per session per tick)."""
+    server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key, clock=clock,
+                            max_message_bytes=max_message_bytes, max_buffered_seconds=max_buffered_seconds,
+                            max_unsent_seconds=max_unsent_seconds, turn_taking=turn_taking, catch_up=catch_up,
+                            max_step_fraction=max_step_fraction, prompt_cache_bytes=prompt_cache_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

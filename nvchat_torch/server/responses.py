@@ -99,7 +99,7 @@ class ResponseEvents:
             # The agent takes the turn on its own BOS while the user's speech is open (no end of
             # utterance stopped it): that speech ends here, so each speech_started has its
             # speech_stopped and a later barge-in sends its own speech_started.
-            frame = next((e.frame_index for e in out.events if e.kind == "audio"), self.frames)
+            frame = next((e.input_frame for e in out.events if e.input_frame is not None), self.frames)
             await self._speech_stopped(frame)
         if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
             # a turn begins or ends: a cancelled one is over, but for the BOS of a cancelled request
@@ -131,7 +131,8 @@ class ResponseEvents:
     async def _turn(self, event) -> None:
         """NVIDIA's policy acted (docs/server.md, "Turns"): the user's speech starts or stops as the
         GA server VAD says it, and a barge-in ends the open response as ``cancelled``."""
-        policy, frame = self.config.turn_taking, event.frame_index
+        # where in the input audio (the policy acts on heard frames only: steps off the clock skip it)
+        policy, frame = self.config.turn_taking, event.input_frame if event.input_frame is not None else self.frames
         if policy is None:  # switched off by a session.update while this frame was in flight
             policy = TurnTakingConfig()
         if event.reason in ("user_speech", "barge_in"):

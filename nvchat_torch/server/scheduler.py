@@ -2,18 +2,24 @@
 on a fixed 80 ms clock.
 
 Every model call (opening a session, its system prompt's prefill, and each batched step) runs on the
-worker thread, never on the event loop, so pings and the other connections' I/O stay live. A new
-session's prompt is prefilled in pieces (one LLM call over up to 64 positions, or one TTS step) in
-the time the worker would otherwise sleep until the next step, so a long prompt never stalls the
-sessions already streaming; the new session joins the batch once its prefill is complete. Each
-tick the worker hands every session its queued audio (buffering only) and runs its other jobs in
-order once the frames queued before them have run; then one engine step runs one frame for every
-session that has a complete frame, as one batch. A session whose client has not sent a full frame
-sits that step out. The server's ``--max-sessions`` is the engine's ``max_sessions``.
+worker thread, never on the event loop, so pings and the other connections' I/O stay live. At each
+tick the worker hands every session the audio it has received (buffering only) and runs its other
+jobs in order once the frames queued before them have run; then one on-clock step runs one frame for
+every session that has a complete frame, as one batch. A session whose client has not sent a full
+frame sits that step out. The server's ``--max-sessions`` is the engine's ``max_sessions``.
+
+The time between the on-clock steps is spare: a new session's prompt is prefilled there in pieces
+(one LLM call over up to 64 positions, or one TTS step), so a long prompt never stalls the sessions
+already streaming, and the new session joins the batch once its prefill is complete. Sessions that
+are behind (frames left over after their on-clock step: a client whose network held its audio and
+then delivered it at once, or one that joined with audio queued) get catch-up steps there too, as
+many as are predicted to end before the next tick, so their lag shrinks back to a frame instead of
+lasting the whole call. Prefill pieces and catch-up steps share the spare time when both want it.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -57,16 +63,27 @@ class _Slot:
         self.closed = False
 
 
-class FrameScheduler:
-    """``clock``: seconds between steps (the frame duration: real time); 0 steps as soon as a frame is
-    pending (batch processing, tests)."""
+CATCH_UP_MARGIN = 0.1  # of the clock: kept free between a catch-up step's predicted end and the next tick
+RECENT_S = 2.0  # the step and prefill times a catch-up's or a piece's duration is predicted from, seconds
+# A catch-up step is predicted to take the 90th percentile of the recent steps: on a busy machine a rare
+# step descheduled for hundreds of ms would otherwise stop every catch-up for RECENT_S.
+CATCH_UP_QUANTILE = 0.9
 
-    def __init__(self, model, max_sessions: int = 4, clock: float | None = None, prompt_cache_bytes: int = 1 << 30):
+
+class FrameScheduler:
+    """``clock``: seconds between on-clock steps (the frame duration: real time); 0 steps as soon as a
+    frame is pending (batch processing, tests). ``catch_up``: sessions behind get extra steps between
+    the ticks (the module doc); False runs at most one frame per session per tick, so a lag once
+    built up lasts."""
+
+    def __init__(self, model, max_sessions: int = 4, clock: float | None = None, prompt_cache_bytes: int = 1 << 30,
+                 catch_up: bool = True):
         self.model = model
         self.engine = model.create_engine(max_sessions=max_sessions)
         # Sessions with a prompt prefilled before join at once (nvchat_torch.prompt_cache); 0: none kept.
         self.engine.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.clock = model.config.frame_duration if clock is None else clock
+        self.catch_up = catch_up
         self.frame_samples = model.config.input_frame_samples
         self.sample_rate = model.config.input_sample_rate
         self._cond = threading.Condition()
@@ -74,7 +91,13 @@ class FrameScheduler:
         self._closing: list[_Slot] = []  # closed by their connection: released on the worker thread
         self._next = 0
         self._stop = False
-        self._steps: deque[tuple[float, float]] = deque(maxlen=25)  # (when, wall time) of recent steps
+        self._steps: deque[tuple[float, float]] = deque(maxlen=25)  # (when, wall time) of recent on-clock steps
+        # Catch-up steps and single prefill pieces, (when, wall time): kept apart from the on-clock steps,
+        # whose median alone says whether the server keeps real time (median_step_s).
+        self._catch_ups: deque[tuple[float, float]] = deque(maxlen=100)
+        self._pieces: deque[tuple[float, float]] = deque(maxlen=25)
+        self._behind: dict[_Slot, int] = {}  # worker only: steps a session had left after the last on-clock step
+        self.catch_up_steps = 0  # run so far
         self._thread = threading.Thread(target=self._run, name="nvchat-frames", daemon=True)
         self._thread.start()
 
@@ -131,10 +154,25 @@ class FrameScheduler:
         """Samples received and not run yet: queued, and frames waiting in the engine."""
         with self._cond:
             slot = self._slots.get(handle)
-            if slot is None:
-                return 0
-            waiting = 0 if slot.session is None else slot.session.pending_frames * self.frame_samples
-            return waiting + sum(len(job[1]) for job in slot.jobs if job[0] == "audio")
+            return 0 if slot is None else self._backlog(slot)
+
+    def lags(self) -> dict[int, int]:
+        """Every open session's lag, by handle: the samples of input it has received and not run yet
+        (as :meth:`backlog_samples` counts them), all read under one lock."""
+        with self._cond:
+            return {handle: self._backlog(slot) for handle, slot in self._slots.items()}
+
+    def lag_report(self) -> dict:
+        """The lags as ``/health`` shows them: each session's (whole frames and ms, by handle, in the order
+        the sessions opened) and the worst."""
+        lags = [{"handle": handle, "lag_frames": samples // self.frame_samples,
+                 "lag_ms": round(samples / self.sample_rate * 1000, 1)} for handle, samples in sorted(self.lags().items())]
+        return {"sessions": lags, "worst_lag_frames": max((lag["lag_frames"] for lag in lags), default=0),
+                "worst_lag_ms": max((lag["lag_ms"] for lag in lags), default=0.0)}
+
+    def _backlog(self, slot: _Slot) -> int:
+        waiting = 0 if slot.session is None else slot.session.pending_frames * self.frame_samples
+        return waiting + sum(len(job[1]) for job in slot.jobs if job[0] == "audio")
 
     def close(self, handle: int) -> None:
         """Forget the session at once: its queued jobs are dropped and its caches released."""
@@ -152,8 +190,9 @@ class FrameScheduler:
             return len(self._slots)
 
     def median_step_s(self, recent: float = 2.0) -> float:
-        """The median wall time of the steps run in the last ``recent`` seconds (0 when none ran): how
-        near the server is to falling behind real time with the sessions it has."""
+        """The median wall time of the on-clock steps run in the last ``recent`` seconds (0 when none
+        ran): how near the server is to falling behind real time with the sessions it has. Catch-up
+        steps are not counted: they only use time the on-clock steps leave."""
         since = time.perf_counter() - recent
         times = sorted(t for when, t in list(self._steps) if when >= since)
         return times[len(times) // 2] if times else 0.0
@@ -175,58 +214,148 @@ class FrameScheduler:
     # ---- the worker thread
     @staticmethod
     def _ready(slot: _Slot) -> bool:
-        """The slot's session is in the batch and has a frame to run (or its end to report)."""
+        """The slot's session is in the batch and has a step to run (or its end to report)."""
         s = slot.session
-        return s is not None and not s.prefilling and bool(s.pending_frames or s.finishing)
+        return s is not None and not s.prefilling and bool(s.pending_steps or s.finishing)
 
     def _busy(self) -> bool:
         return bool(self._closing) or bool(self.engine.joining) or any(s.jobs or self._ready(s)
                                                                        for s in self._slots.values())
 
     def _run(self) -> None:
-        next_step = time.perf_counter()
+        tick = time.perf_counter()  # when the next on-clock step is due
         while True:
             with self._cond:
                 while not self._stop and not self._busy():
                     self._cond.wait()
                 if self._stop:
                     return
-                closing, self._closing = self._closing, []
-                slots = list(self._slots.values())
-            for slot in closing:
-                if slot.session is not None and not slot.session.closed:
-                    slot.session.cancel()
-                slot.session = None
+            slots = self._open_slots()
             for slot in slots:
                 self._feed(slot)
-            if any(self._ready(s) for s in slots):
-                # Steps start at least one clock apart: a late (or the first after idling) step starts
-                # now and the clock restarts from it; no burst of steps makes up for lost time. The
-                # wait before a step goes to joining sessions' prefills (at least one piece per tick).
+            if not any(self._ready(s) for s in slots):
+                if self.engine.joining:  # nobody to step: prefill for a clock, then look at the jobs again
+                    self._prefill(slots, max(self.clock, 0.02))
+                continue
+            # On-clock steps, at least one clock apart, while a session has a step left: a late one (or the
+            # first after idling) starts now and the clock restarts from it. The time before each goes to
+            # the joining sessions' prefills (at least one piece per tick) and to the catch-up steps of the
+            # sessions behind (_spare). The sessions keeping pace are handed their audio only at the tick,
+            # so they sit the catch-up steps out and run one frame per tick.
+            while not self._stop:
                 now = time.perf_counter()
-                if next_step > now:
-                    self._prefill(slots, next_step - now)
-                    now = time.perf_counter()
-                    if next_step > now:
-                        time.sleep(next_step - now)
+                if tick > now:
+                    self._spare(slots, tick)
                 elif self.engine.joining:
                     self._prefill(slots, 0.0)
-                    next_step = time.perf_counter()
+                    tick = time.perf_counter()
                 else:
-                    next_step = now
-                next_step += self.clock
+                    tick = now
+                slots = self._open_slots()
+                for slot in slots:  # what arrived meanwhile runs in this step
+                    self._feed(slot)
+                if not any(self._ready(s) for s in slots):
+                    break  # the next frame to arrive starts a step at once
+                tick += self.clock
                 self._step(slots)
-            elif self.engine.joining:  # nobody to step: prefill for a clock, then look at the jobs again
-                self._prefill(slots, max(self.clock, 0.02))
+                if not any(self._ready(s) for s in slots):
+                    break
 
-    def _feed(self, slot: _Slot) -> None:
+    def _open_slots(self) -> list[_Slot]:
+        """The slots open now, after releasing the sessions whose connections closed them."""
+        with self._cond:
+            closing, self._closing = self._closing, []
+            slots = list(self._slots.values())
+        for slot in closing:
+            if slot.session is not None and not slot.session.closed:
+                slot.session.cancel()
+            slot.session = None
+        return slots
+
+    def _spare(self, slots: list[_Slot], tick: float) -> None:
+        """The time until ``tick`` (the next on-clock step): pieces of the joining sessions' prefills and
+        catch-up steps for the sessions behind, then sleep. A catch-up step runs only if a step as long
+        as the CATCH_UP_QUANTILE of the recent ones (on-clock and catch-up) would end a margin before
+        the tick, so the sessions keeping pace are not made late; a prefill piece only if the longest
+        recent one would. When both want the time, each turn goes to the one that has had less of this
+        tick, so neither starves the other (the first turn to the prefills: one piece per tick)."""
+        margin = CATCH_UP_MARGIN * self.clock
+        prefill_s = catch_up_s = 0.0
+        pieces = 0
+        self._feed_between_ticks(slots)
+        while True:
+            left = tick - time.perf_counter()
+            behind = self._still_behind()
+            step_s = self._predicted(self._steps, self._catch_ups, quantile=CATCH_UP_QUANTILE)
+            step_fits = behind and step_s + margin <= left
+            piece_fits = bool(self.engine.joining) and (not pieces or self._predicted(self._pieces) + margin <= left)
+            if piece_fits and not behind:  # the rest of the wait to the prefills, as many pieces as fit
+                self._prefill(slots, left)
+                break
+            start = time.perf_counter()
+            if piece_fits and (not step_fits or prefill_s <= catch_up_s):
+                self._prefill(slots, 0.0)  # one piece
+                pieces += 1
+                self._pieces.append((start, time.perf_counter() - start))
+                prefill_s += self._pieces[-1][1]
+            elif step_fits:
+                self._catch_up(slots)
+                catch_up_s += time.perf_counter() - start
+            else:
+                break
+        left = tick - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    @staticmethod
+    def _predicted(*records: deque[tuple[float, float]], quantile: float = 1.0) -> float:
+        """What the next such call is expected to take: the ``quantile`` (1: the longest) of the wall
+        times in the records over the last RECENT_S seconds, else their latest."""
+        since = time.perf_counter() - RECENT_S
+        recent = sorted(t for record in records for when, t in list(record) if when >= since)
+        if recent:
+            return recent[math.ceil(quantile * len(recent)) - 1]
+        return max([record[-1][1] for record in records if record] or [0.0])
+
+    def _still_behind(self) -> bool:
+        """Forget the sessions no longer behind (caught up, their audio dropped, closed); any left?"""
+        if not self.catch_up:
+            return False
+        for slot, steps in list(self._behind.items()):
+            s = slot.session
+            if slot.closed or s is None or s.closed or min(steps, s.pending_steps) <= 0:
+                del self._behind[slot]
+        return bool(self._behind)
+
+    def _catch_up(self, slots: list[_Slot]) -> None:
+        """One catch-up step: the sessions with a step queued run it (the ones behind; the others were
+        handed no audio since the tick and sit out). Then the sessions are fed again, so a job waiting
+        for the frames just run (a mark, a tool result) runs in this tick."""
+        self._open_slots()  # a session closed meanwhile runs no more
+        self._step(slots, on_clock=False)
+        for slot in self._behind:
+            if slot.session is not None and not slot.closed:
+                self._behind[slot] = min(self._behind[slot] - 1, slot.session.pending_steps)
+        self._still_behind()  # the ones caught up now keep pace: their new audio waits for the tick
+        self._feed_between_ticks(slots)
+
+    def _feed_between_ticks(self, slots: list[_Slot]) -> None:
+        """Between the ticks the sessions behind get all their jobs; the others only the jobs before
+        their next audio, so they sit the catch-up steps out."""
+        for slot in slots:
+            self._feed(slot, audio=slot in self._behind)
+
+    def _feed(self, slot: _Slot, audio: bool = True) -> None:
         """Run the slot's queued jobs in order: audio is only buffered; any other job waits until the
-        frames queued before it have run."""
+        frames queued before it have run. ``audio=False`` stops at the first job that would queue a
+        frame (a session keeping pace is handed its audio at the tick)."""
         while not slot.closed:
             with self._cond:
                 if not slot.jobs:
                     return
                 job = slot.jobs[0]
+                if not audio and job[0] in ("audio", "pad", "flush"):
+                    return
                 if job[0] not in ("audio", "open", "drop") and slot.session is not None and slot.session.pending_frames:
                     return
                 slot.jobs.popleft()
@@ -306,7 +435,9 @@ class FrameScheduler:
         slot.session = None
         slot.deliver(Output("error", error=error))
 
-    def _step(self, slots: list[_Slot]) -> None:
+    def _step(self, slots: list[_Slot], on_clock: bool = True) -> None:
+        """One engine step and its events delivered. After an on-clock step, the sessions with steps
+        left are the ones behind (catch-up steps until the next tick run those)."""
         start = time.perf_counter()
         try:
             results = self.engine.step()
@@ -316,7 +447,11 @@ class FrameScheduler:
                     self._fail(slot, e)
             return
         compute_s = time.perf_counter() - start
-        self._steps.append((start, compute_s))
+        if on_clock:
+            self._steps.append((start, compute_s))
+        else:
+            self._catch_ups.append((start, compute_s))
+            self.catch_up_steps += 1
         for slot in slots:
             if slot.session is not None and slot.session.failure is not None:  # it alone failed
                 self._fail(slot, slot.session.failure)
@@ -327,3 +462,6 @@ class FrameScheduler:
             ran = any(e.kind == "audio" for e in events)
             slot.deliver(Output("events", events=events, ids=slot.session.last_ids if ran else None,
                                 compute_s=compute_s if ran else 0.0))
+        if on_clock and self.catch_up and self.clock > 0:
+            self._behind = {slot: slot.session.pending_steps for slot in slots if slot.session is not None
+                            and not slot.closed and not slot.session.prefilling and slot.session.pending_steps}
