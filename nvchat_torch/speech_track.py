@@ -256,6 +256,16 @@ class SpeechTracks:
         while it is shorter and the bound allows (each yields True), then the copy at ``steps`` or at the
         track's end, whichever is first, returned (the caller's next piece). None: no track (the bound is
         0 or too small for one), the caller runs every step itself."""
+        track = yield from self.extend(seed, deterministic, steps)
+        if track is None:
+            return None
+        with self._lock:
+            return track.position(min(steps, track.steps))
+
+    def extend(self, seed: int, deterministic: bool, steps: int) -> Generator[bool, None, SpeechTrack | None]:
+        """The pieces of extending the track of this mode (and seed) to ``steps`` steps, one step per piece
+        (each yields True) while the bound allows; returns the track, at rest (None: no track). A server
+        runs them in its idle time, so its first caller finds the track made."""
         if not self.max_bytes:
             return None
         key = self.key(seed, deterministic)
@@ -267,8 +277,8 @@ class SpeechTracks:
             with self._lock:
                 if track.steps >= steps or track.retired or not self._room(track.step_bytes(), track):
                     with torch.inference_mode():
-                        track.compact()  # first: its growth room goes before the copy is made
-                    return track.position(min(steps, track.steps))
+                        track.compact()  # its growth room goes before a copy is made
+                    return track
                 with torch.inference_mode():
                     track.extend()
                 self.steps_run += 1

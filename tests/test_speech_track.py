@@ -7,6 +7,7 @@ and on the real card's layout it is the MLX reference's session."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -277,3 +278,39 @@ def test_a_long_prompt_from_the_track_streams_the_references_frames(make_checkpo
     assert channel(events, "function_delta") == want["function"]
     assert [(e.frame_index, e.delta, e.text) for e in events if e.kind == "user_transcript_delta"] == want["transcript"]
     assert snr_db(want["audio"], np.concatenate([e.samples for e in audio])) >= MIN_SNR_DB
+
+
+def test_an_idle_server_makes_its_default_track_for_its_first_caller(wave):
+    """The server's worker, with nothing else to do, extends the default mode's track (sampling, seed 0) for
+    a prompt of ``warm_prompt_tokens``; its first caller's prefill then runs no TTS step, and its frames
+    are those of a sequential prefill."""
+    from nvchat_torch.server.scheduler import FrameScheduler, Output
+
+    model = nv.load_tiny_model(device="cpu", dtype=torch.float32)  # its own tracks
+    n = tokens(model, LONG)
+    scheduler = FrameScheduler(model, max_sessions=1, clock=0, warm_prompt_tokens=n + 5)
+    tracks = model.speech_tracks()
+    try:
+        for _ in range(2000):  # bounded: about 5 s
+            if tracks.steps_held(0, False) == n + 4:
+                break
+            time.sleep(0.0025)
+        assert tracks.steps_held(0, False) == n + 4 and tracks.steps_run == n + 4
+        outputs: list[Output] = []
+        done = threading.Event()
+
+        def deliver(out: Output) -> None:
+            outputs.append(out)
+            if out.kind == "events" and any(e.kind == "done" for e in out.events):
+                done.set()
+
+        handle = scheduler.open(options(LONG, False, seed=0), deliver)
+        scheduler.push(handle, wave)
+        scheduler.flush(handle, pad_partial=False)
+        assert done.wait(30)
+        assert tracks.steps_run == n + 4  # the caller's prefill took the track as it was
+        got = frames([e for out in outputs if out.kind == "events" for e in out.events])
+        want = sequential(model, LONG, False, wave, seed=0)
+        assert {k: got[k] for k in got} == {k: want[k] for k in got}
+    finally:
+        scheduler.stop()

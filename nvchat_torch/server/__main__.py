@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run at most one frame per session per 80 ms tick: a session whose audio arrives late stays "
                         "that late (by default it gets extra steps in the spare time of each tick until it is back "
                         "to real time, docs/server.md)")
+    p.add_argument("--warm-prompt-tokens", type=int, default=None, metavar="N",
+                   help="while idle, make the prefill track of the default mode (sampling, seed 0) long enough for "
+                        "a prompt of N tokens, so the first caller's prompt opens at once (default 640; 0: the "
+                        "first session that needs it makes it; docs/server.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the model (default: half of torch's default, at least 1: the "
                         "steps' many small ops contend with the server's own threads; on 2 cores one thread "
@@ -70,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads is not None and args.threads < 1:
         print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+        return 2
+    if args.warm_prompt_tokens is not None and args.warm_prompt_tokens < 0:
+        print(f"error: --warm-prompt-tokens must be at least 0, got {args.warm_prompt_tokens}", file=sys.stderr)
         return 2
     if args.max_buffer_seconds is not None and not args.max_buffer_seconds > 0:
         print(f"error: --max-buffer-seconds must be positive, got {args.max_buffer_seconds}", file=sys.stderr)
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.model or "nvchat-tiny-random"
     print(f"model: {model.describe()}", file=sys.stderr)
     extra = {} if args.max_buffer_seconds is None else {"max_buffered_seconds": args.max_buffer_seconds}
+    if args.warm_prompt_tokens is not None:
+        extra["warm_prompt_tokens"] = args.warm_prompt_tokens
     app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key,
                      allow_origins=args.allow_origin, turn_taking=args.turn_taking == "on",
                      catch_up=not args.no_catch_up, **extra)

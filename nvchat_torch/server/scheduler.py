@@ -19,6 +19,7 @@ lasting the whole call. Prefill pieces and catch-up steps share the spare time w
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -31,7 +32,9 @@ import numpy as np
 from ..events import ContextLimit, StreamingOptions
 from ..prompt_cache import PromptCache
 
-__all__ = ["FrameScheduler", "Output"]
+__all__ = ["FrameScheduler", "Output", "WARM_PROMPT_TOKENS"]
+
+log = logging.getLogger("nvchat_torch.server")
 
 
 @dataclass
@@ -68,16 +71,21 @@ RECENT_S = 2.0  # the step and prefill times a catch-up's or a piece's duration 
 # A catch-up step is predicted to take the 90th percentile of the recent steps: on a busy machine a rare
 # step descheduled for hundreds of ms would otherwise stop every catch-up for RECENT_S.
 CATCH_UP_QUANTILE = 0.9
+# The prompt tokens the default mode's prefill track (sampling, seed 0: nvchat_torch.speech_track) is made
+# for while the worker is idle, so that the server's first caller finds it: a prompt with tools is ~600.
+WARM_PROMPT_TOKENS = 640
 
 
 class FrameScheduler:
     """``clock``: seconds between on-clock steps (the frame duration: real time); 0 steps as soon as a
     frame is pending (batch processing, tests). ``catch_up``: sessions behind get extra steps between
     the ticks (the module doc); False runs at most one frame per session per tick, so a lag once
-    built up lasts."""
+    built up lasts. ``warm_prompt_tokens``: while the worker has nothing else to do, it extends the
+    prefill track of the server's default mode (sampling, seed 0) that far, one TTS step at a time
+    (0: the first session to need it makes it)."""
 
     def __init__(self, model, max_sessions: int = 4, clock: float | None = None, prompt_cache_bytes: int = 1 << 30,
-                 catch_up: bool = True):
+                 catch_up: bool = True, warm_prompt_tokens: int = WARM_PROMPT_TOKENS):
         self.model = model
         self.engine = model.create_engine(max_sessions=max_sessions)
         # Sessions with a prompt prefilled before join at once (nvchat_torch.prompt_cache); 0: none kept.
@@ -98,6 +106,11 @@ class FrameScheduler:
         self._pieces: deque[tuple[float, float]] = deque(maxlen=25)
         self._behind: dict[_Slot, int] = {}  # worker only: steps a session had left after the last on-clock step
         self.catch_up_steps = 0  # run so far
+        if isinstance(warm_prompt_tokens, bool) or not isinstance(warm_prompt_tokens, int) or warm_prompt_tokens < 0:
+            raise ValueError(f"warm_prompt_tokens must be a non-negative int, got {warm_prompt_tokens!r}")
+        # Its pieces, run while idle (a prompt of n tokens takes n - 1 steps: its first position runs no TTS).
+        self._warming = iter(model.speech_tracks().extend(0, False, warm_prompt_tokens - 1)) \
+            if warm_prompt_tokens > 1 else None
         self._thread = threading.Thread(target=self._run, name="nvchat-frames", daemon=True)
         self._thread.start()
 
@@ -214,13 +227,24 @@ class FrameScheduler:
     # ---- the worker thread
     @staticmethod
     def _ready(slot: _Slot) -> bool:
-        """The slot's session is in the batch and has a step to run (or its end to report)."""
+        """The slot's session is in the batch and has a step to run (or its end to report; once reported,
+        the session is closed and waits for its connection to close the slot)."""
         s = slot.session
-        return s is not None and not s.prefilling and bool(s.pending_steps or s.finishing)
+        return s is not None and not s.closed and not s.prefilling and bool(s.pending_steps or s.finishing)
 
     def _busy(self) -> bool:
-        return bool(self._closing) or bool(self.engine.joining) or any(s.jobs or self._ready(s)
-                                                                       for s in self._slots.values())
+        return bool(self._closing) or bool(self.engine.joining) or self._warming is not None or \
+            any(s.jobs or self._ready(s) for s in self._slots.values())
+
+    def _warm(self) -> None:
+        """One piece of making the default mode's prefill track while nothing else waits (one TTS step). A
+        failure stops the warming only: a session needing the track extends it itself."""
+        try:
+            if next(self._warming, None) is None:
+                self._warming = None
+        except Exception:
+            log.exception("making the prefill track failed; sessions will make it as they need it")
+            self._warming = None
 
     def _run(self) -> None:
         tick = time.perf_counter()  # when the next on-clock step is due
@@ -236,6 +260,8 @@ class FrameScheduler:
             if not any(self._ready(s) for s in slots):
                 if self.engine.joining:  # nobody to step: prefill for a clock, then look at the jobs again
                     self._prefill(slots, max(self.clock, 0.02))
+                elif self._warming is not None and not any(s.jobs for s in slots):
+                    self._warm()
                 continue
             # On-clock steps, at least one clock apart, while a session has a step left: a late one (or the
             # first after idling) starts now and the clock restarts from it. The time before each goes to
