@@ -13,6 +13,7 @@ from .events import ContextLimit, StreamingOptions, VoiceChatEvent, VoiceChatPro
 from .model import VoiceChatModel, load_model
 from .session import StreamingSession
 from .tiny import load_tiny_model
+from .tool_hold import ToolHold
 from .turn_taking import TurnTaking, TurnTakingConfig
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "ContextLimit",
     "StreamingOptions",
     "StreamingSession",
+    "ToolHold",
     "TurnTaking",
     "TurnTakingConfig",
     "VoiceChatConfig",

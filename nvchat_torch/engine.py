@@ -25,7 +25,8 @@ from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .frame_step import FrameStep
 from .prompt_cache import PromptCache
-from .session import AudioInput, OffClock, StreamingSession, off_clock_steps
+from .session import AudioInput, StreamingSession
+from .step_plan import StepPlan, off_clock_steps
 from .turn_taking import TurnTakingConfig
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class EngineSession:
         self.slot = slot  # its row in the batch; None while its deferred prefill runs
         self._pending = np.zeros(0, dtype=np.float32)
         self._queued: list[np.ndarray] = []  # complete frames waiting for a step
-        self._off_clock: deque[OffClock] = deque()  # steps off the clock waiting: they run before the frames
+        self._off_clock: deque[StepPlan] = deque()  # steps off the clock waiting: they run before the frames
+        self._ticks = 0  # a step of the TTS alone asked for while a tool runs (hold_tick)
         self.finishing = False  # flushed: done once its frames have run
         self.closed = False
 
@@ -96,8 +98,48 @@ class EngineSession:
 
     @property
     def pending_steps(self) -> int:
-        """Steps waiting to run: its queued audio frames and steps off the clock (:meth:`step_off_clock`)."""
-        return len(self._queued) + len(self._off_clock)
+        """Steps waiting to run: its queued audio frames, the steps off the clock asked for
+        (:meth:`step_off_clock`) and the tool pipeline's (one counted while any is due), and a tick
+        while a tool runs (:meth:`hold_tick`)."""
+        pipeline = self._host.pipeline
+        due = pipeline is not None and pipeline.due
+        return len(self._queued) + len(self._off_clock) + due + self._ticks
+
+    @property
+    def off_clock_due(self) -> bool:
+        """A step off the clock is due: asked for (:meth:`step_off_clock`), or the tool pipeline's (a call
+        written, its result injected). A server runs them in the time between its ticks."""
+        pipeline = self._host.pipeline
+        return bool(self._off_clock) or (pipeline is not None and pipeline.due)
+
+    @property
+    def holding(self) -> bool:
+        """A tool runs: the LLM stands still, the TTS alone speaks (docs/tools.md)."""
+        return self._host.pipeline is not None and self._host.pipeline.waiting
+
+    def hold_tick(self) -> None:
+        """While a tool runs, a step of the TTS alone in the next engine step even without audio queued: a
+        server calls it every 80 ms tick, so the on-hold phrases and the timeout go by wall time, not only
+        by the audio its client sends. Nothing while no tool runs or audio is queued."""
+        self._ticks = int(self.holding and not self._queued)
+
+    def _next_step(self) -> tuple[np.ndarray | None, StepPlan | None] | None:
+        """The next step to run (its samples, None off the clock, and its plan), taken off the queues; None:
+        nothing to run. Steps asked for off the clock first, then the tool pipeline's, then a frame."""
+        pipeline = self._host.pipeline
+        if self._off_clock:
+            return None, self._off_clock.popleft()
+        plan = None if pipeline is None else pipeline.off_clock()
+        if plan is not None:
+            return None, plan
+        if self._queued:
+            self._ticks = 0
+            return self._queued.pop(0), None if pipeline is None else pipeline.frame_plan()
+        if self._ticks:
+            self._ticks = 0
+            if self.holding:
+                return None, pipeline.frame_plan()
+        return None
 
     @property
     def pending_tool_calls(self) -> list[str]:
@@ -150,6 +192,8 @@ class EngineSession:
             frame[:self._pending.size] = self._pending
             self._queued.append(frame)
         self._pending = np.zeros(0, dtype=np.float32)
+        if self._host.pipeline is not None:
+            self._host.pipeline.end()
         self.finishing = True
 
     def cancel(self) -> list[VoiceChatEvent]:
@@ -323,6 +367,7 @@ class BatchEngine:
         handle._host.closed = True
         handle._queued, handle._pending = [], np.zeros(0, dtype=np.float32)
         handle._off_clock.clear()
+        handle._ticks = 0
         if handle in self._joining:  # still prefilling: it holds no slot
             self._joining.remove(handle)
             return
@@ -339,8 +384,7 @@ class BatchEngine:
         partly advanced) and is raised; one in a session's own events (its detokenizers, tool parsing)
         closes that session only, which then has no entry and a :attr:`EngineSession.failure`."""
         out: dict[EngineSession, list[VoiceChatEvent]] = {}
-        running = {s: s._off_clock.popleft() if s._off_clock else None
-                   for s in self._slots if s is not None and s.pending_steps}
+        running = {s: step for s in self._slots if s is not None and (step := s._next_step()) is not None}
         if running:
             try:
                 packed, stamps = self._run(running)
@@ -349,9 +393,9 @@ class BatchEngine:
                     self._failures[s] = error
                     self._release(s)
                 raise
-            for s, off_clock in running.items():
+            for s, (samples, plan) in running.items():
                 try:
-                    out[s] = s._host.frame_done(packed[s.slot], stamps, off_clock)
+                    out[s] = s._host.frame_done(packed[s.slot], stamps, plan, heard=samples is not None)
                 except Exception as error:  # this session's host side failed: it alone ends
                     self._failures[s] = error
                     self._release(s)
@@ -362,13 +406,12 @@ class BatchEngine:
                 self._release(s)
         return out
 
-    def _run(self, running: dict[EngineSession, OffClock | None]) -> tuple[np.ndarray, list[float]]:
-        """The batched pass: ``[rows, values]`` of each row's transcript ids, ids, codes and samples, and
-        the stage marks (each session that profiles records its step's in ``frame_done``). A row runs its
-        step off the clock, or else its next queued frame."""
+    def _run(self, running: dict[EngineSession, tuple[np.ndarray | None, StepPlan | None]]) -> tuple[np.ndarray, list[float]]:
+        """The batched pass of each row's step (its samples or None, its plan): ``[rows, values]`` of each
+        row's transcript ids, ids, codes and samples, and the stage marks (each session that profiles
+        records its step's in ``frame_done``)."""
         profile = self.profile is not None or any(s.options.profile for s in running)
-        inputs = {s.slot: s._host.frame_input(None if off_clock else s._queued.pop(0), off_clock)
-                  for s, off_clock in running.items()}
+        inputs = {s.slot: s._host.frame_input(samples, plan) for s, (samples, plan) in running.items()}
         packed, stamps = self.frame_step.run(inputs, profile)
         if self.profile is not None:
             self.profile.frames.append(FrameTiming.from_stamps(self.steps, stamps))

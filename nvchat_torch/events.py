@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .tool_hold import ToolHold
 from .turn_taking import TurnTakingConfig
 
 _log = logging.getLogger("nvchat_torch")
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 EventKind = Literal["assistant_text_delta", "function_delta", "user_transcript_delta", "audio", "done", "cancelled",
-                    "tool_call", "tool_call_error", "turn"]
+                    "tool_call", "tool_call_error", "turn", "hold_speech"]
 
 
 @dataclass
@@ -58,6 +59,9 @@ class VoiceChatEvent:
     # The audio frame the step heard, counted from the session's first (None: a step off the clock,
     # which heard none, or an event of no step). `frame_index` counts every step, heard or not.
     input_frame: int | None = None
+    # hold_speech (nvchat_torch.tool_pipeline): the steps (80 ms of speech each) the phrase takes, from
+    # this event's; `text` the phrase, `reason` "ack" | "on_hold" | "timeout", `call_id` its call's
+    frames: int | None = None
 
 
 MAX_STREAMING_SECONDS = 1e9  # a bound for max_streaming_seconds (any model's context is far shorter)
@@ -78,15 +82,26 @@ class StreamingOptions:
     # NVIDIA's turn-taking policy (nvchat_torch.turn_taking; a mapping of some of its fields is taken
     # too); None: the raw model decides alone when to speak, as the MLX reference does
     turn_taking: TurnTakingConfig | None = None
+    # With tools: NVIDIA's two-phase tool pipeline (nvchat_torch.tool_hold, docs/tools.md: the call written
+    # and the result injected off the clock, phrases spoken meanwhile; a mapping of its fields is taken
+    # too); None: a call and its result stream one token per frame, in silence
+    tool_hold: ToolHold | None = field(default_factory=ToolHold)
 
     def __post_init__(self) -> None:
         if isinstance(self.turn_taking, Mapping):
             self.turn_taking = TurnTakingConfig.from_dict(self.turn_taking)
         self.check("turn_taking", self.turn_taking)
+        if isinstance(self.tool_hold, Mapping):
+            self.tool_hold = ToolHold.from_mapping(self.tool_hold)
+        if self.tool_hold is not None and not isinstance(self.tool_hold, ToolHold):
+            raise ValueError(f"tool_hold must be None, a ToolHold or a mapping of its fields, "
+                             f"got {type(self.tool_hold).__name__}")
         if self.tools is not None:
             from .tool_prompt import validate_tools
 
-            validate_tools(self.tools)
+            tools = validate_tools(self.tools)
+            if self.tool_hold is not None:
+                self.tool_hold.check_tools(tool["name"] for tool in tools)
         self.check("max_streaming_seconds", self.max_streaming_seconds)
         self.check("seed", self.seed)
 

@@ -29,11 +29,11 @@ import torch
 from .compiled_step import CompiledStep, batch_bucket
 from .conformer import ConformerRows
 from .diagnostics import return_freed_memory, synchronize
-from .frame_layout import (DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, HEARS,
-                           LLM_POSITION, ROUNDS_KEYS, RUNS, RUNS_TTS, SPOKEN, TABLE, TTS_POSITION, PackedLayout)
+from .frame_layout import (DECODES, DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, HEARS,
+                           LLM_POSITION, ROUNDS_KEYS, RUNS, RUNS_TTS, SPOKEN, TABLE, THINKS, TTS_POSITION, FrameInput,
+                           PackedLayout, StepFlags, StepTensors)
 from .gemma import TTSRows
 from .language_heads import fused_input, language_heads
-from .mog import Draws
 from .nemotron_h import KVCache, LanguageRows, MambaCache
 from .rnnt import RnntState
 from .turn_taking import TurnTaking, TurnTakingConfig
@@ -42,9 +42,8 @@ if TYPE_CHECKING:
     from .compiled_step import StepCompiler
     from .networks import VoiceChatNetworks
     from .timeline import Timeline
-    from .tools import ToolChannel
 
-__all__ = ["FrameStep", "FrameInput", "RowState"]
+__all__ = ["FrameStep", "FrameInput", "RowState"]  # FrameInput: frame_layout's, where the host gives a row's step
 
 # The tensors of a language cache layer, by its kind.
 _STATE_NAMES: dict[type, tuple[str, ...]] = {MambaCache: ("conv_state", "ssm_state"), KVCache: ("keys", "values")}
@@ -79,26 +78,6 @@ def _set(ref: _Ref, value: torch.Tensor) -> None:
 
 
 @dataclass
-class FrameInput:
-    """One row's step: 16 kHz samples ``[1280]`` (None: a step off the clock, docs/engine.md), the row's
-    generator (None: the deterministic mode), its tool channel when it forces ids (tool results,
-    ``force_tokens``), the text id the step forces (-1: none; it wins over the tool channel's) and the id
-    its TTS speaks instead of the text id (-1: the text id). With turn-taking: whether the row is held
-    (a tool call in progress, its text id forced, or off the clock: the policy skips it), whether its
-    text id is held at PAD (a tool call), and the start-of-call id that holds it from the step it
-    appears on the function channel (-1: none)."""
-
-    samples: np.ndarray | None
-    generator: torch.Generator | None = None
-    tools: ToolChannel | None = None
-    held: bool = False
-    pad_text: bool = False
-    call_start: int = -1
-    text: int = -1
-    spoken: int = -1
-
-
-@dataclass
 class RowState:
     """Where a row stands: audio frames heard (its log-mel and Conformer stream position; a step off the
     clock hears none), the next LLM and TTS positions (prompt and speaker warmup included), the timeline
@@ -111,45 +90,6 @@ class RowState:
     tts_position: int = 0
     timeline_index: int = 0
     round_keys_until: int = 0
-
-
-@dataclass(frozen=True)
-class _Flags:
-    """What picks the device step's graph (host-known; a compiled step is traced once per combination).
-    Eager, each is set only when needed; compiled, ``restore`` and ``mixed`` hold for every batch above
-    one, ``forcing``, ``off_clock`` and ``speaking`` always, and ``all_tts`` never, so a session's graphs
-    do not change as it goes (a first step off the clock compiles nothing)."""
-
-    restore: bool  # rows that sit out are put back (their recurrent state as it was)
-    turns: bool  # a row has the turn-taking policy
-    punctuating: bool  # ... with the transcript punctuation bias
-    sampling: bool  # a row draws (else every row is deterministic)
-    mixed: bool  # sampling and deterministic rows together (per-row choice)
-    all_tts: bool  # every row runs the TTS (none at timeline position 0)
-    round_keys: bool  # rows whose LLM keys are still rounded to bf16
-    forcing: bool  # rows force ids (tool results, force_tokens)
-    off_clock: bool  # rows hear the silence embedding, not audio (their perception state as it was)
-    speaking: bool  # rows' TTS speaks an id other than their text id
-    in_place: bool  # the recurrent state is copied back into its buffers (compiled), not rebound (eager)
-
-
-@dataclass
-class _Step:
-    """A device step's inputs, from the prologue: the samples ``[B, 1280]``, the rows' table (:data:`TABLE`)
-    and the index tensors of the same upload, the TTS's random numbers, the graph's flags, and whether
-    to mark the stages (eager profiling)."""
-
-    frames: torch.Tensor
-    table: torch.Tensor
-    row_numbers: torch.Tensor  # [2B]
-    tts_positions: torch.Tensor  # [2B]: each session's two TTS rows
-    tts_ring: torch.Tensor  # [2B]: their sliding layers' ring slots
-    conformer_slot: torch.Tensor  # [B]
-    conformer_columns: torch.Tensor  # [B, ring slots attended]
-    hold: torch.Tensor | None  # [3, B] with turn-taking: held, text held at PAD, start-of-call id
-    draws: Draws | None
-    flags: _Flags
-    marks: bool
 
 
 class FrameStep:
@@ -220,18 +160,23 @@ class FrameStep:
                                             ((self._rnnt, "hc"), 1, 1)]
         return refs + [((self._conformer.conv, i), 0, 1) for i in range(len(self._conformer.conv))]
 
-    def _spoken(self) -> list[tuple[_Ref, int, int]]:
-        """What every step advances: the fed-back ids and codes, the codec's and the Mamba layers' state."""
-        refs: list[tuple[_Ref, int, int]] = [((self, "_ids"), 0, 1), ((self, "_codes"), 0, 1),
-                                            ((self._codec_cache, "spectrum"), 0, 1)]
-        refs += [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
+    def _thought(self, ssm: bool = True) -> list[tuple[_Ref, int, int]]:
+        """What an LLM step advances: the fed-back ids and the Mamba layers' state (``ssm``: their SSM state
+        too)."""
+        refs: list[tuple[_Ref, int, int]] = [((self, "_ids"), 0, 1)]
         for c in self._language.layers:
             if isinstance(c, MambaCache):
-                refs += [((c, "conv_state"), 0, 1), ((c, "ssm_state"), 0, 1)]
+                refs += [((c, "conv_state"), 0, 1)] + ([((c, "ssm_state"), 0, 1)] if ssm else [])
         return refs
 
+    def _decoded(self) -> list[tuple[_Ref, int, int]]:
+        """What a codec step advances."""
+        refs: list[tuple[_Ref, int, int]] = [((self._codec_cache, "spectrum"), 0, 1)]
+        return refs + [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
+
     def _recurrent(self) -> list[tuple[_Ref, int, int]]:
-        return self._heard() + self._spoken()  # the state a row carries from step to step
+        """The state a row carries from step to step (the TTS's codes between what the LLM and codec advance)."""
+        return self._heard() + self._thought() + [((self, "_codes"), 0, 1)] + self._decoded()
 
     def _buffers(self) -> list[tuple[_Ref, int, int]]:
         """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
@@ -409,17 +354,17 @@ class FrameStep:
         stamps.append(time.perf_counter())
         for r, given in inputs.items():
             row = self.rows[r]
-            row.tts_position += int(row.timeline_index > 0)
-            row.llm_position += 1
+            row.tts_position += int(row.timeline_index > 0 and given.speaks)
+            row.llm_position += given.thinks
             row.frame_index += given.samples is not None
-            row.timeline_index += 1
+            row.timeline_index += given.thinks
         return values, stamps
 
-    def _prologue(self, inputs: dict[int, FrameInput], marks: bool) -> _Step:
+    def _prologue(self, inputs: dict[int, FrameInput], marks: bool) -> StepTensors:
         """The host's part before the step: what it knows of the rows as one table, uploaded in one copy,
         the frame's samples, the TTS's random numbers (drawn from the rows' generators), the caches'
         room for the step (grown in whole blocks, here and never inside the step), and the flags that
-        pick the step's graph (under the compiler, a few fixed ones: see :class:`_Flags`)."""
+        pick the step's graph (under the compiler, a few fixed ones: see :class:`~nvchat_torch.frame_layout.StepFlags`)."""
         cfg, device, batch, static = self.config, self.device, self.batch, self._compiled is not None
         frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
         # What the host knows of each row, one column per row (the fields: TABLE).
@@ -436,11 +381,12 @@ class FrameStep:
             hears = given.samples is not None  # off the clock: zeros, whose perception is put back
             if hears:
                 frames[r] = given.samples
-            tts_runs = row.timeline_index > 0  # timeline position 0 runs no TTS
-            ints[[RUNS, HEARS, RUNS_TTS, ROUNDS_KEYS], r] = (1, hears, tts_runs, row.llm_position < row.round_keys_until)
-            if given.tools is not None and given.tools.forcing:  # force_tokens / a tool result
-                ints[FORCED_TEXT:FORCES_FUNCTION + 1, r] = given.tools.take_forced()
-            if given.text >= 0:  # the step's own text id wins over the tool channel's
+            tts_runs = row.timeline_index > 0 and given.speaks  # timeline position 0 runs no TTS
+            ints[[RUNS, HEARS, THINKS, RUNS_TTS, DECODES, ROUNDS_KEYS], r] = (
+                1, hears, given.thinks, tts_runs, given.speaks, row.llm_position < row.round_keys_until)
+            if given.thinks and given.tools is not None and given.tools.forcing:  # force_tokens / a tool result
+                ints[FORCED_TEXT:FORCES_FUNCTION + 1, r] = given.tools.take_forced(text_too=given.text < 0)
+            if given.text >= 0:  # the step's own text id (the tool channel's waits for a step without one)
                 ints[[FORCED_TEXT, FORCES_TEXT], r] = (given.text, 1)
             ints[SPOKEN, r] = given.spoken
             if tts_runs:
@@ -451,13 +397,15 @@ class FrameStep:
         samplers = [g for g in generators if g is not None]
         mixed = bool(samplers) and (static and batch > 1 or any(generators[r] is None and ints[RUNS_TTS, r] for r in inputs))
         turns = self._turns
-        flags = _Flags(restore=len(inputs) < batch or static and batch > 1,
+        flags = StepFlags(restore=len(inputs) < batch or static and batch > 1,
                        turns=turns is not None, punctuating=turns is not None and turns.punctuating,
                        sampling=bool(samplers), mixed=mixed, all_tts=not static and bool(ints[RUNS_TTS].all()),
                        round_keys=self._rounds_keys if static else bool(ints[ROUNDS_KEYS].any()),
                        forcing=static or bool(ints[FORCES_TEXT:FORCES_FUNCTION + 1].any()),
                        off_clock=static or any(given.samples is None for given in inputs.values()),
-                       speaking=static or bool((ints[SPOKEN] >= 0).any()), in_place=static)
+                       speaking=static or bool((ints[SPOKEN] >= 0).any()),
+                       pausing=static or any(not (given.thinks and given.speaks) for given in inputs.values()),
+                       in_place=static)
         # The Conformer ring: the first `length` slots while the running rows are aligned and filling (eager;
         # compiled, the whole ring, masked: a fixed shape).
         run = [int(ints[FRAME, r]) for r in inputs]  # the frames each running row has run
@@ -490,11 +438,11 @@ class FrameStep:
             if samplers:
                 draws = self._speech.tts_model.draws(generators[0] if batch == 1 else generators, batch, device)
         self._conformer.least, self._conformer.aligned = least, aligned
-        return _Step(torch.from_numpy(frames).to(device), table.view(len(TABLE), batch), row_numbers, tts_positions, tts_ring,
+        return StepTensors(torch.from_numpy(frames).to(device), table.view(len(TABLE), batch), row_numbers, tts_positions, tts_ring,
                      conformer_slot, conformer_columns.view(batch, length), hold[0].view(3, batch) if hold else None,
                      draws, flags, marks)
 
-    def _device_step(self, step: _Step, stamps: list[float] | None) -> torch.Tensor:
+    def _device_step(self, step: StepTensors, stamps: list[float] | None) -> torch.Tensor:
         """The frame on the device: a function of the step's tensors and the caches, which it updates in
         place when compiled (so its buffers stay its own: what CUDA graphs replay). Returns the packed
         ``[batch, values]``. ``stamps``: the stage marks to append (eager and profiling only)."""
@@ -511,12 +459,19 @@ class FrameStep:
         own = torch.clone if flags.in_place else _same
         table = step.table
         frame_index, llm_pos = table[FRAME], table[LLM_POSITION]
-        # The state to put back for rows that sit out, its first `heard` entries also for rows off the clock.
+        # The state a step advances, by part, each with the table row that says which rows advanced it:
+        # what a frame's audio advances (the policy's counters included), an LLM step, a codec step, the
+        # rest every step that runs. A part some row may skip is saved, and the rows that skip it get it
+        # back once its network has run (:meth:`_put_back`). Compiled, the Mamba layers' SSM state is not
+        # saved: those rows step with a time step of 0, which leaves it as it was (torch 2.13's inductor
+        # miscompiled a copy of it kept aside while the layer's region updated it in place).
         heard = self._heard() + ([] if turns is None else [((turns, name), 0, 1) for name in turns.STATE])
-        state = heard + self._spoken() + ([] if turns is None else [((turns, "reason"), 0, 1)])
-        buffers = [_get(ref) for ref, _, _ in state]
-        saved = [t.clone() if flags.restore or flags.off_clock and i < len(heard) else None
-                 for i, t in enumerate(buffers)]
+        parts = {HEARS: heard, THINKS: self._thought(ssm=not flags.in_place), DECODES: self._decoded(),
+                 RUNS: [((self, "_codes"), 0, 1)] + ([] if turns is None else [((turns, "reason"), 0, 1)])}
+        partial = {RUNS: flags.restore, HEARS: flags.restore or flags.off_clock,
+                   THINKS: flags.restore or flags.pausing, DECODES: flags.restore or flags.pausing}
+        buffers = {field: [_get(ref) for ref, _, _ in refs] for field, refs in parts.items()}
+        saved = {field: [t.clone() for t in buffers[field]] if partial[field] else None for field in parts}
         encoder = self._perception.encoder
         conformer_rows = ConformerRows(own(step.row_numbers[:batch]), own(step.conformer_slot), own(step.conformer_columns),
                                        encoder.ring_mask(frame_index, self._conformer), step.conformer_columns.shape[1])
@@ -535,7 +490,8 @@ class FrameStep:
         mark()
         fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:], cfg.function_channel_weight)
         round_keys = table[ROUNDS_KEYS].bool() if flags.round_keys else None
-        rows = LanguageRows.make(own(llm_pos), self._language.capacity, round_keys, own(step.row_numbers[:batch]))
+        steps = table[THINKS].bool() if flags.in_place and partial[THINKS] else None
+        rows = LanguageRows.make(own(llm_pos), self._language.capacity, round_keys, own(step.row_numbers[:batch]), steps)
         hidden = self._language_step(fused, rows)
         ids = language_heads(hidden, *self._heads).ids.view(batch, 2)
         if flags.forcing:  # force_tokens / a tool result: queued ids replace a row's outputs
@@ -543,6 +499,8 @@ class FrameStep:
         if turns is not None:
             ids = turns.take_turns(ids, user_blank, step.hold)
         self._ids = ids
+        self._put_back(parts[HEARS], saved[HEARS], table[HEARS])
+        self._put_back(parts[THINKS], saved[THINKS], table[THINKS])
         mark()
         tts_rows = TTSRows.make(own(step.tts_positions), self._tts.capacities(), self._speech.tts_model.backbone.window,
                                 own(step.row_numbers), own(step.tts_ring))
@@ -562,24 +520,32 @@ class FrameStep:
         mark()
         clean = self._speech.replace_control_codes(codes)
         samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
-        runs = table[RUNS].bool()
-        for i, ((ref, axis, per), buffer, before) in enumerate(zip(state, buffers, saved)):
-            new = _get(ref)
-            if before is not None:  # a row that sat out, or (what it heard) was off the clock: as it was
-                kept = hears if hears is not None and i < len(heard) else runs
-                keep = kept.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
-                new = torch.where(keep, new, before)
-            if flags.in_place and new is not buffer and new.dtype == buffer.dtype:
-                buffer.copy_(new)  # compiled: the step's buffers stay its own (what CUDA graphs replay)
-                _set(ref, buffer)
-            else:  # eager: the new state is the cache's (no copy)
-                _set(ref, new)
+        self._put_back(parts[DECODES], saved[DECODES], table[DECODES])
+        self._put_back(parts[RUNS], saved[RUNS], table[RUNS])
+        if flags.in_place:  # compiled: the step's buffers stay its own (what CUDA graphs replay)
+            for field, refs in parts.items():
+                for (ref, _, _), buffer in zip(refs, buffers[field]):
+                    new = _get(ref)
+                    if new is not buffer and new.dtype == buffer.dtype:
+                        buffer.copy_(new)
+                        _set(ref, buffer)
         # One packed tensor for the whole batch: cat promotes the ids to the samples' float32 (a no-op
         # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
         values = [transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()]
         if turns is not None:
             values.append(turns.reason[:, None])
         return torch.cat(values, dim=1)
+
+    @staticmethod
+    def _put_back(refs: list[tuple[_Ref, int, int]], saved: list[torch.Tensor] | None, advanced: torch.Tensor) -> None:
+        """The rows whose ``advanced`` is 0 get the state of ``refs`` back as ``saved`` before the step (None:
+        every row advanced it)."""
+        if saved is None:
+            return
+        keep = advanced.bool()
+        for (ref, axis, per), before in zip(refs, saved):
+            rows = keep.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
+            _set(ref, torch.where(rows, _get(ref), before))
 
     def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor,
                   rows: ConformerRows) -> tuple[torch.Tensor, torch.Tensor]:

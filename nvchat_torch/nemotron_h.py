@@ -152,22 +152,25 @@ class LanguageRows:
     the slots past each row's position, which it does not attend (all attention layers have one
     capacity: :meth:`LanguageCache.reserve`), so the step's shapes are the buffers', changing only when a
     block is added. ``round_keys [B]`` or None: rows whose keys and values are still stored in bf16, as
-    the reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache)."""
+    the reference's cache of a bf16 prompt keeps them until its next 256-slot block (see KVCache).
+    ``steps [B]`` (bool) or None: the rows whose Mamba layers advance their SSM state (the others'
+    stays exactly as it was: their time step is 0); None: every row."""
 
     positions: torch.Tensor
     batch: torch.Tensor
     blocked: torch.Tensor
     round_keys: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
     @classmethod
     def make(cls, positions: torch.Tensor, capacity: int, round_keys: torch.Tensor | None = None,
-             batch: torch.Tensor | None = None) -> "LanguageRows":
+             batch: torch.Tensor | None = None, steps: torch.Tensor | None = None) -> "LanguageRows":
         """``capacity``: the slots the key/value buffers hold; ``batch``: the row numbers, if the caller
         has them on the device already."""
         blocked = (torch.arange(capacity, device=positions.device) > positions[:, None])[:, None, None]
         if batch is None:
             batch = torch.arange(positions.shape[0], device=positions.device)
-        return cls(positions, batch, blocked, round_keys)
+        return cls(positions, batch, blocked, round_keys, steps)
 
 
 @dataclass
@@ -311,12 +314,14 @@ class NemotronHMamba2Mixer(nn.Module):
         """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
         ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`); ``norm``:
         the block's pre-norm, applied to x here (fused with ``in_proj`` on a CPU, as in every mixer)."""
-        y = self.mix(norm_linear(norm, x, self.in_proj), cache, rows is None)
+        y = self.mix(norm_linear(norm, x, self.in_proj), cache, rows is None, None if rows is None else rows.steps)
         return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
 
-    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True,
+            steps: torch.Tensor | None = None) -> torch.Tensor:
         """Between the projections: ``in_proj``'s output ``[b, L, .]`` -> ``out_proj``'s input ``[b, L, d_inner]``;
-        ``advance``: move ``cache.offset`` (a prefill; a streaming step leaves it to the caller)."""
+        ``advance``: move ``cache.offset`` (a prefill; a streaming step leaves it to the caller); ``steps``:
+        see :class:`LanguageRows`."""
         b, L, _ = projected.shape
         pad = projected.shape[-1] - (self.d_inner + self.conv_dim + self.num_heads)  # the 2*d_mlp padding
         z, xBC, dt = projected[..., pad:].split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
@@ -329,6 +334,8 @@ class NemotronHMamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias)
         if self.dt_min is not None or self.dt_max is not None:
             dt = dt.clamp(self.dt_min, self.dt_max)
+        if steps is not None:  # exp(0 A) = 1 and 0 x B = 0: the SSM state of a row that does not step stays
+            dt = torch.where(steps.view(-1, 1, 1), dt, 0.0)
         A = self.decay_rates()
         if cache is not None and L == 1:
             y = self._ssm_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], cache.ssm_state).unsqueeze(1)
@@ -362,11 +369,12 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
             register_float32(self, name, t)
         self.fused_on_cpu = True
 
-    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True) -> torch.Tensor:
+    def mix(self, projected: torch.Tensor, cache: MambaCache | None, advance: bool = True,
+            steps: torch.Tensor | None = None) -> torch.Tensor:
         b, L, width = projected.shape
         if not (self.fused_on_cpu and cache is not None and L == 1 and cpu_kernels.usable(projected, cache.ssm_state)
-                and cache.conv_state.dtype == torch.float32):
-            return super().mix(projected, cache, advance)
+                and cache.conv_state.dtype == torch.float32 and steps is None):
+            return super().mix(projected, cache, advance, steps)
         if not cache.conv_state.is_contiguous():  # a batched prefill's state is a view of its window
             cache.conv_state = cache.conv_state.contiguous()
         pad = width - (self.d_inner + self.conv_dim + self.num_heads)

@@ -12,7 +12,7 @@ per stage when profiling).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -33,7 +33,9 @@ from .frame_layout import PackedLayout
 from .frame_step import FrameInput, FrameStep
 from .prompt_cache import PromptCache
 from .rnnt import TranscriptText
+from .step_plan import PLAIN, StepPlan, off_clock_steps
 from .timeline import Timeline
+from .tool_pipeline import ToolPipeline
 from .tools import ToolChannel, render_system_prompt
 from .turn_taking import TurnTakingConfig, reasons_of
 
@@ -44,42 +46,8 @@ if TYPE_CHECKING:
 # of numbers (ints are int16 PCM); generate also takes a file path.
 AudioInput = Union[np.ndarray, torch.Tensor, Sequence[float], Sequence[int]]
 
-__all__ = ["StreamingSession", "OffClock", "off_clock_steps", "generate_offline"]
+__all__ = ["StreamingSession", "generate_offline"]
 
-
-@dataclass(frozen=True)
-class OffClock:
-    """One step off the clock: it hears NVIDIA's silence embedding instead of audio. ``text``: the text id
-    it forces (-1: the model's own), ``spoken``: the id its TTS speaks instead of the text id (-1: the
-    text id), ``keep_audio``: whether its 80 ms of speech comes out as an ``audio`` event (the codec
-    runs either way, so the speech that follows is continuous)."""
-
-    text: int = -1
-    spoken: int = -1
-    keep_audio: bool = True
-
-
-def off_clock_steps(count: int, text: int | None, speak: Sequence[int] | None, keep_audio: bool,
-                    vocab_size: int) -> list[OffClock]:
-    """``count`` steps off the clock (see :meth:`StreamingSession.step_off_clock`), checked: a bad argument
-    raises ``ValueError`` naming it."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative int, got {count!r}")
-
-    def token(value: Any, name: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
-            raise ValueError(f"{name} must be a token id in [0, {vocab_size}), got {value!r}")
-        return int(value)
-
-    forced = -1 if text is None else token(text, "text")
-    if isinstance(speak, (str, bytes)) or speak is not None and not isinstance(speak, (Sequence, np.ndarray)):
-        raise ValueError(f"speak must be a list of token ids, got {type(speak).__name__}")
-    spoken = [] if speak is None else [token(i, "speak") for i in speak]
-    if len(spoken) > count:
-        raise ValueError(f"speak has {len(spoken)} ids for {count} step(s): at most one per step")
-    if not isinstance(keep_audio, bool):
-        raise ValueError(f"keep_audio must be a bool, got {keep_audio!r}")
-    return [OffClock(forced, spoken[i] if i < len(spoken) else -1, keep_audio) for i in range(count)]
 
 class StreamingSession:
     """One full-duplex conversation: push 16 kHz audio, get frame-aligned events back.
@@ -113,6 +81,10 @@ class StreamingSession:
         # Tool calls parsed from the function channel, and ids forced into either output channel.
         self._tools = ToolChannel(model.tokenizer, options.tools, pad_id=cfg.pad_token_id,
                                   vocab_size=cfg.text_config.vocab_size, device=model.device)
+        # NVIDIA's two-phase pipeline for its calls (None: a call and its result stream a token per frame)
+        self.pipeline = None if options.tool_hold is None or not self._tools.parsing else ToolPipeline(
+            options.tool_hold, self._tools, model.tokenizer, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
+            pad_id=cfg.pad_token_id, frame_duration=cfg.frame_duration, seed=options.seed)
         with torch.inference_mode():
             self._timeline = Timeline(model, options.seed, options.deterministic, options.use_language_cache)
             self._rnnt_state = model.transcriber.new_state()
@@ -241,10 +213,19 @@ class StreamingSession:
         events: list[VoiceChatEvent] = []
         for frame in pending[:n_frames * self.frame_samples].reshape(n_frames, self.frame_samples):
             try:
-                events += self._step(frame)
+                events += self._off_clock_due()
+                events += self._step(frame, None if self.pipeline is None else self.pipeline.frame_plan())
+                events += self._off_clock_due()
             except ContextLimit as limit:
                 limit.events = events  # the frames of this push that did run; the rest is dropped
                 raise
+        return events
+
+    def _off_clock_due(self) -> list[VoiceChatEvent]:
+        """The steps the tool pipeline runs now, off the clock: writing a call, injecting its result."""
+        events: list[VoiceChatEvent] = []
+        while self.pipeline is not None and (plan := self.pipeline.off_clock()) is not None:
+            events += self._step(None, plan)
         return events
 
     def step_off_clock(self, count: int, *, text: int | None = None, speak: Sequence[int] | None = None,
@@ -275,7 +256,9 @@ class StreamingSession:
         if self.closed:
             return []
         self._finish_prefill()
-        events: list[VoiceChatEvent] = []
+        if self.pipeline is not None:
+            self.pipeline.end()
+        events: list[VoiceChatEvent] = self._off_clock_due()  # a result sent last goes in before the end
         if self._pending.size and pad_partial and self.frame_index < self.max_frames:
             frame = np.zeros(self.frame_samples, dtype=np.float32)
             frame[:self._pending.size] = self._pending
@@ -312,8 +295,14 @@ class StreamingSession:
         string; a string holding JSON is that JSON). Once every call of its span has a result, the
         ``<TOOL_RESPONSE>[...]</TOOL_RESPONSE>`` tokens replace the function channel's outputs, one
         per frame from the next frame on, with the text channel held at PAD; they come back as
-        ``function_delta`` events. Unknown or already-answered ids raise ``ValueError``."""
+        ``function_delta`` events. Unknown or already-answered ids raise ``ValueError``. With the tool
+        pipeline (``tool_hold``) the response goes in off the clock once the phrase being spoken ends,
+        and a result for a call whose time ran out raises ``ValueError`` (the timeout result answered it)."""
+        if self.pipeline is not None:
+            self.pipeline.check_result(call_id)
         self._tools.send_result(call_id, output)
+        if self.pipeline is not None:
+            self.pipeline.result_sent()
 
     def force_tokens(self, channel: str, ids: Sequence[int] | torch.Tensor) -> None:
         """Research hook (scripted responses, teacher forcing, evaluation): ``ids`` replace the model's
@@ -352,13 +341,13 @@ class StreamingSession:
                            f"({self.max_seconds / 60:.1f} min) after the system prompt, within "
                            f"max_position_embeddings={self.config.text_config.max_position_embeddings}")
 
-    def _step(self, frame: np.ndarray | None, off_clock: OffClock | None = None) -> list[VoiceChatEvent]:
-        """One step (a heard frame, or ``off_clock``), or ContextLimit before it (nothing changes); a
-        failure inside closes the session, as its caches may be partly advanced."""
+    def _step(self, frame: np.ndarray | None, plan: StepPlan | None = None) -> list[VoiceChatEvent]:
+        """One step (``frame`` heard, or none: off the clock) run as ``plan`` says, or ContextLimit before
+        it (nothing changes); a failure inside closes the session, as its caches may be partly advanced."""
         self.check_room(self.frame_index + 1)
         try:
-            packed, stamps = self._frame_step.run({self._slot: self.frame_input(frame, off_clock)}, self.options.profile)
-            return self.frame_done(packed[self._slot], stamps, off_clock)
+            packed, stamps = self._frame_step.run({self._slot: self.frame_input(frame, plan)}, self.options.profile)
+            return self.frame_done(packed[self._slot], stamps, plan, heard=frame is not None)
         except BaseException as error:
             self._failure = error
             try:
@@ -368,20 +357,22 @@ class StreamingSession:
             raise
 
     # ---- what a frame step takes from this session and gives back (its own, or an engine's)
-    def frame_input(self, samples: np.ndarray | None, off_clock: OffClock | None = None) -> FrameInput:
-        """This session's row of a frame step: the samples (None with ``off_clock``: a step that hears
-        none), its generator (none when deterministic), its tool channel (the ids it forces), what a step
-        off the clock forces and speaks, and, with turn-taking, what holds it: a tool call in progress
-        (from its start-of-call token until its result has been fed in) or a forced text id."""
+    def frame_input(self, samples: np.ndarray | None, plan: StepPlan | None = None) -> FrameInput:
+        """This session's row of a frame step: the samples (None: a step off the clock), its generator (none
+        when deterministic), its tool channel (the ids it forces), what ``plan`` forces and speaks and
+        which networks step, and, with turn-taking, what holds it: a tool call in progress (from its
+        start-of-call token until its result has been fed in) or a forced text id."""
         generator = None if self.options.deterministic else self._timeline.generator
-        text, spoken = (-1, -1) if off_clock is None else (off_clock.text, off_clock.spoken)
+        plan = plan or PLAIN
+        step = dict(text=plan.text, spoken=plan.spoken, thinks=plan.thinks, speaks=plan.speaks)
         if self.options.turn_taking is None:
-            return FrameInput(samples, generator, self._tools, text=text, spoken=spoken)
+            return FrameInput(samples, generator, self._tools, **step)
         tools = self._tools
-        in_call = tools.in_call or bool(tools.awaiting) or tools.injecting
-        forced = tools.text_forced or text >= 0
-        return FrameInput(samples, generator, tools, held=in_call or forced, pad_text=in_call and not forced,
-                          call_start=tools.start_id if tools.parsing else -1, text=text, spoken=spoken)
+        in_call = tools.in_call or bool(tools.awaiting) or tools.injecting or (self.pipeline is not None and
+                                                                              self.pipeline.active)
+        forced = tools.text_forced or plan.text >= 0
+        return FrameInput(samples, generator, tools, held=in_call or forced or not plan.thinks,
+                          pad_text=in_call and not forced, call_start=tools.start_id if tools.parsing else -1, **step)
 
     def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
         """Turn-taking from the next frame on (see ``StreamingOptions.turn_taking``): switched on it starts
@@ -392,41 +383,44 @@ class StreamingSession:
         if self._slot is not None:
             self._frame_step.set_turn_taking(self._slot, config)
 
-    def frame_done(self, packed: np.ndarray, stamps: list[float],
-                   off_clock: OffClock | None = None) -> list[VoiceChatEvent]:
+    def frame_done(self, packed: np.ndarray, stamps: list[float], plan: StepPlan | None = None,
+                   heard: bool = True) -> list[VoiceChatEvent]:
         """The events of this session's row of a step that ran (``packed``: its values, read from the
-        device; ``off_clock``: the step off the clock it was); records the step's stage times when
-        profiling, and advances the step (and heard frame) counters."""
+        device; ``plan``: how it ran; ``heard``: whether it heard a frame of audio); records the step's
+        stage times when profiling, and advances the step (and heard frame) counters."""
         if self.options.profile:
             self.profile.frames.append(FrameTiming.from_stamps(self.frame_index, stamps))
-        events = self._frame_events(packed, off_clock)
+        events = self._frame_events(packed, plan or PLAIN, heard)
         self.frame_index += 1
-        self.input_frames += off_clock is None
+        self.input_frames += heard
         return events
 
-    def _frame_events(self, packed: np.ndarray, off_clock: OffClock | None) -> list[VoiceChatEvent]:
+    def _frame_events(self, packed: np.ndarray, plan: StepPlan, heard: bool) -> list[VoiceChatEvent]:
         out = self.frame_layout.unpack(packed)
-        transcript_ids, text_id, function_id, codes, samples = (out.transcript_ids, out.text_id, out.function_id,
-                                                                 out.codes, out.samples)
-        self.last_ids = (text_id, function_id)  # PAD and EOS included: servers read turn ends from them
         i = self.frame_index
         events = []
-        update = self._transcript.update(transcript_ids.tolist())
+        update = self._transcript.update(out.transcript_ids.tolist())
         if update is not None:
             events.append(VoiceChatEvent("user_transcript_delta", i, delta=update[0], text=update[1]))
         if out.reason is not None:  # a step with turn-taking: the row's reason code (0 without a policy)
-            events += [VoiceChatEvent("turn", i, token_id=text_id, reason=reason)
+            events += [VoiceChatEvent("turn", i, token_id=out.text_id, reason=reason)
                        for reason in reasons_of(out.reason)]
-        for kind, acc, token in (("assistant_text_delta", self._text, text_id),
-                                 ("function_delta", self._function, function_id)):
-            update = acc.append(token)
-            if update is not None:
-                events.append(VoiceChatEvent(kind, i, token_id=token, delta=update[0], text=update[1]))
-        events += self._tools.feed(function_id, i)
-        if off_clock is None or off_clock.keep_audio:
+        # The LLM's ids, PAD and EOS included (servers read turn ends from them); None: it stood still
+        self.last_ids = (out.text_id, out.function_id) if plan.thinks else None
+        if plan.thinks:
+            for kind, acc, token in (("assistant_text_delta", self._text, out.text_id),
+                                     ("function_delta", self._function, out.function_id)):
+                update = acc.append(token)
+                if update is not None:
+                    events.append(VoiceChatEvent(kind, i, token_id=token, delta=update[0], text=update[1]))
+            events += self._tools.feed(out.function_id, i)
+        if self.pipeline is not None:  # a call starts, is written, is waited for: and the phrase begun now
+            events += self.pipeline.after(plan, out.function_id, events, i)
+        if plan.keep_audio:  # a step whose TTS and codec stood still is 80 ms of silence
+            samples = out.samples if plan.speaks else np.zeros_like(out.samples)
             events.append(VoiceChatEvent("audio", i, samples=samples, sample_rate=self.config.output_sample_rate,
-                                         audio_codes=codes))
-        if off_clock is None:
+                                         audio_codes=out.codes))
+        if heard:
             for event in events:
                 event.input_frame = self.input_frames
         return events

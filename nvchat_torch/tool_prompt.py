@@ -1,6 +1,7 @@
 """The tools in the system prompt: checking OpenAI-format function tools and rendering the system
 prompt NVIDIA's function-calling template makes of them (``template.jinja`` of NeMo's
-``nemotron-labs-voicechat`` branch). The calls and results are :mod:`nvchat_torch.tools`'."""
+``nemotron-labs-voicechat`` branch); and the text a result goes back in (``<TOOL_RESPONSE>``). Parsing
+calls and feeding results back is :mod:`nvchat_torch.tools`'."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["TOOL_SYSTEM_MESSAGE", "MAX_TOOLS", "CALL_START", "CALL_END", "RESPONSE_END", "validate_tools",
+           "tool_result_json", "format_tool_response", "response_text",
            "render_system_prompt"]
 
 # NVIDIA recommends at most 5 tools per session; more degrade the model's tool use.
@@ -127,3 +129,28 @@ def render_system_prompt(system_prompt: str | None, tools: Sequence[Mapping] | N
     message = TOOL_SYSTEM_MESSAGE if system_prompt is None else system_prompt
     separator = "\n\n" if message != "" else ""
     return message + separator + _TOOLS_INTRO + ", ".join(_tojson(d) for d in definitions) + _TOOLS_OUTRO
+
+
+def tool_result_json(output: Any) -> str:
+    """One result as it goes into ``<TOOL_RESPONSE>``: ``json.dumps`` with its defaults, as NVIDIA's
+    offline script. A string holding JSON is that JSON (re-serialised); any other string becomes a
+    JSON string. Raises ``ValueError`` for what JSON cannot hold."""
+    if isinstance(output, str):
+        try:
+            output = json.loads(output)
+        except json.JSONDecodeError:
+            pass
+    try:
+        return json.dumps(output)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the tool result is not JSON-serialisable: {e}") from None
+
+
+def format_tool_response(outputs: Sequence[Any]) -> str:
+    """``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>``: the results of one call span, in call order."""
+    return response_text([tool_result_json(o) for o in outputs])
+
+
+def response_text(serialised: list[str]) -> str:
+    """``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>`` of results serialised already (:func:`tool_result_json`)."""
+    return "<TOOL_RESPONSE>[" + ", ".join(serialised) + "]</TOOL_RESPONSE>"

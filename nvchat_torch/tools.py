@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .events import VoiceChatEvent
-from .tool_prompt import (CALL_END, CALL_START, MAX_TOOLS, RESPONSE_END, TOOL_SYSTEM_MESSAGE, render_system_prompt,
-                          validate_tools)
+from .tool_prompt import (CALL_END, CALL_START, MAX_TOOLS, RESPONSE_END, TOOL_SYSTEM_MESSAGE, format_tool_response,
+                          render_system_prompt, response_text, tool_result_json, validate_tools)
 
 __all__ = [
     "TOOL_SYSTEM_MESSAGE",
@@ -89,28 +89,8 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict]]:
     return calls
 
 
-def tool_result_json(output: Any) -> str:
-    """One result as it goes into ``<TOOL_RESPONSE>``: ``json.dumps`` with its defaults, as NVIDIA's
-    offline script. A string holding JSON is that JSON (re-serialised); any other string becomes a
-    JSON string. Raises ``ValueError`` for what JSON cannot hold."""
-    if isinstance(output, str):
-        try:
-            output = json.loads(output)
-        except json.JSONDecodeError:
-            pass
-    try:
-        return json.dumps(output)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"the tool result is not JSON-serialisable: {e}") from None
-
-
-def format_tool_response(outputs: Sequence[Any]) -> str:
-    """``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>``: the results of one call span, in call order."""
-    return _response_text([tool_result_json(o) for o in outputs])
-
-
-def _response_text(serialised: list[str]) -> str:
-    return "<TOOL_RESPONSE>[" + ", ".join(serialised) + "]</TOOL_RESPONSE>"
+def _unchanged(text: str) -> str:
+    return text
 
 
 def _token_id(tokenizer: Any, token: str) -> int:
@@ -165,6 +145,10 @@ class ToolChannel:
         self._function: deque[int | None] = deque()
         self._injected: deque[bool] = deque()  # per queued function id: part of a tool result (not parsed)
         self._injected_now = False
+        # What the response text becomes before it is tokenised (the tool pipeline spells its numbers), and
+        # whether its tokens' frames hold the text at PAD here (the pipeline's steps force PAD themselves).
+        self.transform_response: Callable[[str], str] = _unchanged
+        self.pad_text_while_injecting = True
 
     # ---- forcing
     @property
@@ -195,6 +179,8 @@ class ToolChannel:
         start = len(self._function)
         self._function.extend(ids)
         self._injected.extend([True] * len(ids))
+        if not self.pad_text_while_injecting:
+            return
         while len(self._text) < start:
             self._text.append(None)
         for j in range(len(ids)):
@@ -203,11 +189,12 @@ class ToolChannel:
             else:
                 self._text.append(self.pad_id)
 
-    def take_forced(self) -> tuple[int, int, int, int]:
+    def take_forced(self, text_too: bool = True) -> tuple[int, int, int, int]:
         """This frame's forced ids, taken off the queues as host ints, which ride in the frame step's one
         upload: ``(text id, function id, text forced, function forced)``; a channel not forced keeps the
-        model's id (its value is then 0 and unused)."""
-        text = self._text.popleft() if self._text else None
+        model's id (its value is then 0 and unused). ``text_too=False``: the step forces its text itself,
+        and a queued text id waits for the next."""
+        text = self._text.popleft() if self._text and text_too else None
         function = None
         self._injected_now = False
         if self._function:
@@ -284,7 +271,7 @@ class ToolChannel:
         self._answered.add(call_id)
         del self._spans[call_id]
         if len(span.results) == len(span.call_ids):
-            text = _response_text([span.results[c] for c in span.call_ids])
+            text = self.transform_response(response_text([span.results[c] for c in span.call_ids]))
             self._inject(self.tokenizer.encode(text, add_special_tokens=False))
 
     @property

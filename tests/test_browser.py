@@ -22,7 +22,7 @@ import torch
 import websockets
 
 import nvchat_torch as nv
-from test_server import EXAMPLE, serve
+from test_server import CALL, EXAMPLE, WEATHER, _CallingModel, quiet_function_channel, serve
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
@@ -163,14 +163,16 @@ async def page_title(profile, origin: str) -> str:
     return "probing"
 
 
-def chromium(address: str, profile, microphone) -> subprocess.Popen:
-    """Headless Chromium on the page (autostarted), its fake microphone playing ``microphone`` (a WAV)."""
+def chromium(address: str, profile, microphone, autostart: bool = True) -> subprocess.Popen:
+    """Headless Chromium on the page (autostarted, or waiting for Start), its fake microphone playing
+    ``microphone`` (a WAV)."""
     return subprocess.Popen([
         CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
         "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1000,860",
         "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
         f"--use-file-for-fake-audio-capture={microphone}", "--autoplay-policy=no-user-gesture-required",
-        f"http://{address}/?autostart=1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        f"http://{address}/{'?autostart=1' if autostart else ''}"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
 
 
 def test_page_drops_its_playback_at_a_barge_in(make_checkpoint, tmp_path):
@@ -234,5 +236,66 @@ async def barge_in(profile, address) -> dict:
               return {queued, after, drop: nvchat.bargeIns[count], turn: document.getElementById('turn').dataset.turn};
             })()""")
         state["injected"] = result["result"].get("value")
+        await tools.evaluate("document.getElementById('stop').click()")
+        return state
+
+
+def test_page_marks_what_the_model_says_while_a_tool_runs(make_checkpoint, tmp_path):
+    """Tools offered from the page: the model calls one (its function channel forced, a few frames in).
+    The acknowledgement and the on-hold phrase NVIDIA's tool pipeline speaks show in the assistant's
+    transcript, marked as said during the tool call; the call is answered with the page's button."""
+    from nvchat_torch.tool_hold import ACKNOWLEDGEMENTS, REMINDERS
+
+    assert CHROMIUM, "Chromium is needed (.ci/run installs Debian's chromium package)"
+    model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
+    hook = quiet_function_channel(model)
+    profile = tmp_path / "profile"
+    calling = _CallingModel(model, [CALL], after=3)
+    try:
+        with serve(calling) as (address, _):
+            browser = chromium(address, profile, EXAMPLE, autostart=False)
+            try:
+                state = asyncio.run(tool_call(profile, address, calling.sessions))
+            finally:
+                browser.terminate()
+                browser.wait(timeout=30)
+    finally:
+        hook.remove()
+    held = {h["reason"]: h for h in state["held"]}
+    assert held["ack"]["text"] in ACKNOWLEDGEMENTS and held["ack"]["title"] == "acknowledging a tool call", state
+    assert held["on_hold"]["text"] in REMINDERS and held["on_hold"]["title"] == "while a tool runs", state
+    assert "get_weather" in state["tools"] and state["answered"], state
+    assert calling.sessions[0].pending_tool_calls == []  # the page's answer reached the session
+    assert state["errors"] == "" and state["notices"] == "", state
+
+
+async def tool_call(profile, address, sessions: list) -> dict:
+    deadline = time.monotonic() + 60
+    async with websockets.connect(await page_socket(profile, address, deadline), max_size=None) as ws:
+        tools = DevTools(ws)
+        while not await tools.evaluate("!!window.nvchat"):  # the page's script has run
+            assert time.monotonic() < deadline, "the page did not load"
+            await asyncio.sleep(0.1)
+        await tools.evaluate(f"document.getElementById('tools-json').value = {json.dumps(json.dumps([WEATHER]))};"
+                             "document.getElementById('start').click()")
+        probe = ("({held: [...document.querySelectorAll('#assistant .hold')].map(s => ({reason: s.dataset.reason, "
+                 "text: s.textContent, title: s.title})), tools: document.getElementById('tools').textContent, "
+                 "answered: !!document.querySelector('#tools button[disabled]'), status: document.body.dataset.status "
+                 "|| '', errors: document.getElementById('errors').textContent, notices: document.getElementById"
+                 "('notices').textContent})")
+        deadline = time.monotonic() + 120
+        while True:
+            state = await tools.evaluate(probe)
+            if state and any(h["reason"] == "on_hold" for h in state["held"]):
+                break
+            if time.monotonic() > deadline or (state and state["status"].startswith(("closed", "failed"))):
+                break
+            await asyncio.sleep(0.1)
+        # answered by hand, as a user would (within the 15 s the model waits)
+        await tools.evaluate("document.querySelector('#tools input').value = '{\"temperature_c\": 21}';"
+                             "document.querySelector('#tools button').click()")
+        while sessions[0].pending_tool_calls and time.monotonic() < deadline:  # the session took the result
+            await asyncio.sleep(0.1)
+        state = await tools.evaluate(probe)
         await tools.evaluate("document.getElementById('stop').click()")
         return state

@@ -23,7 +23,7 @@ from nvchat_torch.diagnostics import count_host_reads, kernel_launches
 from nvchat_torch.doctor import CompositePath
 from test_engine import Plan, assert_same_events, run_alone, run_engine
 from test_layouts import LAYOUTS
-from test_off_clock import assert_schedule_matches
+from test_off_clock import assert_schedule_matches, assert_tts_alone_matches
 from test_off_clock import run_reference as run_off_clock_reference
 from test_session import PROMPT, run_reference_stream, run_stream
 
@@ -172,6 +172,7 @@ def test_the_compiled_step_gives_the_references_outputs(make_checkpoint, referen
     # Steps off the clock through the same graph (its flags are fixed): the reference's outputs, driven
     # the same way (tests/test_off_clock.py).
     assert_schedule_matches(model, wave, run_off_clock_reference(reference(path), wave, PROMPT))
+    assert_tts_alone_matches(model, reference(path))  # and steps of the TTS alone, while a tool runs
     # The graphs were stored (compiled ahead): a later load finds them, and runs without compiling (the
     # compiler's front end traces nothing), the reference's outputs again, and past both caches' growth.
     # (Three frame steps ran: two sessions and the engine; the sessions share the batch-1 graph.)

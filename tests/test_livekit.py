@@ -7,9 +7,10 @@ reports its playback to LiveKit (so no resampler and no native audio pipeline ar
 agent greets through ``generate_reply`` when it enters, and has one ``@function_tool``.
 
 As in tests/test_pipecat.py, the tiny random model's RNNT is made to hear loudness
-(:func:`voice_activity_rnnt`), and the server runs NVIDIA's policy with short windows. The model
-calls the tool once (its function channel is forced, as a trained model
-would decide to call), from the first frame.
+(:func:`voice_activity_rnnt`), and the server runs NVIDIA's policy with short windows, on its real 80 ms
+clock. The model calls the tool once, a few frames into the greeting (its function channel is forced, as
+a trained model would decide to call), and the tool takes 3 s: NVIDIA's tool pipeline (on by default)
+speaks an acknowledgement while the call is written and an on-hold phrase while the tool runs.
 """
 
 from __future__ import annotations
@@ -31,34 +32,39 @@ from nvchat_torch.audio_io import pcm16_encode, resample
 from nvchat_torch.server.app import Connection
 from openai.types.realtime.realtime_audio_input_turn_detection import ServerVad
 from test_pipecat import POLICY, voice_activity_rnnt
-from test_server import EXAMPLE, _HookedModel, serve
+from test_server import CALL, EXAMPLE, _CallingModel, quiet_function_channel, serve
 
 RATE = 24000  # LiveKit's realtime audio rate, both ways
 CHUNK = 1920  # 80 ms
 TIMEOUT = float(os.environ.get("NVCHAT_LIVEKIT_TIMEOUT", 120))
-CALL = '<SPECIAL_20><TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL><SPECIAL_21>'
+TOOL_SECONDS = 3.0
 
 
-def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """What the user does, as (phase, 16 kHz float32): quiet while the agent greets, calls the tool
-    (its call span is 79 frames of the tiny tokenizer) and replies with its result; a question over
-    the agent (a barge-in); a pause for its answer."""
+def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
+    """What the user does, as (phase, 16 kHz float32; None: quiet until the microphone's ``until()``):
+    quiet while the agent greets, calls the tool (it acknowledges the call and speaks a phrase while the
+    tool runs) and starts to reply with its result; a question over the agent (a barge-in); a pause for
+    its answer."""
     quiet = lambda frames: np.zeros(frames * 1280, np.float32)  # noqa: E731
-    return [("greeting", quiet(140)), ("speech", speech[:32000]), ("pause", quiet(40))]
+    return [("greeting", None), ("speech", speech[:32000]), ("pause", quiet(40))]
 
 
 class Microphone(io.AudioInput):
     """The scripted microphone: 80 ms frames of 24 kHz pcm16 on a real-time clock. Its first two frames
     start the server's session (LiveKit sends 100 ms appends); the rest of the script plays once
     ``ready()`` says the session's prompt has been prefilled (audio sent during the prefill would
-    queue, and the conversation would lag behind it)."""
+    queue, and the conversation would lag behind it). A phase without audio is silence until ``until()``
+    says the agent has done what it waits for."""
 
-    def __init__(self, phases, log, ready):
+    def __init__(self, phases, log, ready, until):
         super().__init__(label="scripted microphone")
-        pcm = [(phase, pcm16_encode(resample(wave, 16000, RATE))) for phase, wave in phases]
-        self.chunks = [(phase if i == 0 else None, data[i:i + 2 * CHUNK]) for phase, data in pcm
-                       for i in range(0, len(data), 2 * CHUNK)]
-        self.log, self.ready, self.next_at, self.given = log, ready, None, 0
+        self.chunks = []
+        for phase, wave in phases:
+            data = None if wave is None else pcm16_encode(resample(wave, 16000, RATE))
+            self.chunks += [(phase, None)] if data is None else \
+                [(phase if i == 0 else None, data[i:i + 2 * CHUNK]) for i in range(0, len(data), 2 * CHUNK)]
+        self.log, self.ready, self.until, self.next_at, self.given = log, ready, until, None, 0
+        self.deadline = time.monotonic() + TIMEOUT
 
     async def __anext__(self) -> rtc.AudioFrame:
         if not self.chunks:
@@ -72,7 +78,14 @@ class Microphone(io.AudioInput):
         now = time.monotonic()
         self.next_at = now if self.next_at is None else self.next_at + CHUNK / RATE
         await asyncio.sleep(max(0.0, self.next_at - now))
-        phase, data = self.chunks.pop(0)
+        phase, data = self.chunks[0]
+        if data is None:  # silence until until(): the phase logged once
+            if self.until() or time.monotonic() > self.deadline:
+                self.chunks.pop(0)
+                return await self.__anext__()
+            self.chunks[0], data = (None, None), bytes(2 * CHUNK)
+        else:
+            self.chunks.pop(0)
         self.given += 1
         if phase is not None:
             self.log.append(("phase", phase, time.monotonic()))
@@ -127,39 +140,8 @@ class Assistant(Agent):
     async def get_weather(self, context: RunContext, city: str) -> dict:
         """Current weather in a city."""
         self.calls.append(city)
-        return "sunny"  # short: the model hears a result one token a frame
-
-
-def quiet_function_channel(model, strength: float = 1e4):
-    """Make the model's function channel PAD unless forced (a hook on its head's logits): what a trained
-    model's is outside its calls. The random one's otherwise opens a call now and then (its start-of-call
-    token), which holds the text at PAD and the policy until a random end-of-call token. Returns the
-    hook's handle."""
-    text_head, function_head = model.vocabulary_heads()
-    pad = model.config.pad_token_id
-
-    def bias(module, inputs, logits):
-        column = pad if function_head is not None else logits.shape[-1] // 2 + pad  # the fused heads: [text | function]
-        return logits.index_add(-1, torch.tensor([column], device=logits.device),
-                                torch.full((*logits.shape[:-1], 1), strength, dtype=logits.dtype, device=logits.device))
-
-    return (function_head if function_head is not None else text_head).register_forward_hook(bias)
-
-
-class _Calling(_HookedModel):
-    """The model calls the tool as the conversation starts: the call's tokens are forced on each
-    session's function channel from its first frame (a call holds the policy until its result has
-    been fed in, so the user's turns come after it)."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.sessions = []
-
-    def opened(self, handle):
-        # a few frames in, so that the greeting's BOS on the first frame is not held at PAD by the call
-        pad = self._model.config.pad_token_id
-        handle.force_tokens("function", [pad] * 3 + self._model.tokenizer.encode(CALL, add_special_tokens=False))
-        self.sessions.append(handle)
+        await asyncio.sleep(TOOL_SECONDS)  # a slow lookup: the server speaks while it runs
+        return "sunny"
 
 
 class Records(logging.Handler):
@@ -182,7 +164,11 @@ def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
     send = Connection.send
     handle = Connection._handle
 
+    audio: dict = {}  # per response: the times its audio deltas were sent
+
     async def record(self, payload):
+        if payload["type"] == "response.output_audio.delta":
+            audio.setdefault(payload["response_id"], []).append(time.monotonic())
         if not payload["type"].endswith(".delta"):
             sent.append(payload)
             trace.append((time.monotonic(), "<", payload))
@@ -204,6 +190,13 @@ def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
     states: dict = {"user": [], "agent": []}
     errors: list = []
     executed: list = []
+    said: list = []  # the assistant messages LiveKit added to its chat context
+
+    def answered() -> bool:
+        """The model answers the tool's result: audio of a response the server opened after the result."""
+        output = next((t for t, way, e in trace if way == ">" and e["type"] == "conversation.item.create"
+                       and e["item"]["type"] == "function_call_output"), None)
+        return output is not None and any(min(times) > output for times in audio.values())
 
     def conversed() -> bool:
         """The reply after the tool cut by the user, and the agent's answer after the user's pause."""
@@ -220,7 +213,8 @@ def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
         session.on("error", lambda ev: errors.append(ev))
         session.on("function_tools_executed", lambda ev: executed.append(ev))
         session.input.audio = Microphone(microphone(speech), log,
-                                         ready=lambda: bool(calling.sessions) and not calling.sessions[0].prefilling)
+                                         ready=lambda: bool(calling.sessions) and not calling.sessions[0].prefilling,
+                                         until=answered)
         session.output.audio = Speaker(log)
         await session.start(Assistant(calls))
         # until the microphone is done and the server has caught up with it (it may run slower than
@@ -229,12 +223,17 @@ def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
         while time.monotonic() < deadline and not (("phase", "end") in [x[:2] for x in log] and conversed()):
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)
+        said.extend(item.text_content for item in session.history.items
+                    if item.type == "message" and item.role == "assistant")
         await session.aclose()
         await llm.aclose()
 
-    calling = _Calling(model)
+    # The model calls the tool as the conversation starts (a call holds the policy until its result has
+    # been fed in, so the user's turns come after it): a few frames in, so that the greeting's BOS on the
+    # first frame is not held at PAD by the call.
+    calling = _CallingModel(model, [CALL], after=3)
     try:
-        with serve(calling, turn_taking=POLICY, clock=0) as (address, _):
+        with serve(calling, turn_taking=POLICY) as (address, _):
             asyncio.run(asyncio.wait_for(run(address), TIMEOUT + 30))
     finally:
         for hook in hooks:
@@ -270,8 +269,20 @@ def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
                and e["item"]["type"] == "function_call_output"]
     assert outputs and outputs[0]["item"]["output"] == "sunny"
     assert calling.sessions[0].pending_tool_calls == []
-    assert "<TOOL_RESPONSE>" in calling.sessions[0].function_text
+    assert '<TOOL_RESPONSE>["sunny"]</TOOL_RESPONSE>' in calling.sessions[0].function_text
     assert len(creates) >= 2 and creates[1]["event_id"] in ids  # the reply after the tool
+    # while the call was written and while the tool ran the server spoke: the acknowledgement (in the
+    # greeting, which carried the call) and the on-hold phrase (a response of its own, before the tool's
+    # output) reached LiveKit as the agent's speech, their transcripts in its chat context
+    phrases = {e["reason"]: e for e in sent if e["type"] == "nvchat.hold_speech"}
+    assert sorted(phrases) == ["ack", "on_hold"], phrases
+    output_at = next(t for t, way, e in trace if way == ">" and e is outputs[0])
+    assert max(audio[phrases["on_hold"]["response_id"]]) < output_at
+    for phrase in phrases.values():
+        assert audio[phrase["response_id"]] and any(phrase["text"] in text for text in said if text), (phrase, said)
+    # the model's answer after the result it heard: the reply's audio (sent from its BOS on)
+    reply = next(r["id"] for r in created if (r["metadata"] or {}).get("client_event_id") == creates[1]["event_id"])
+    assert audio.get(reply) and min(audio[reply]) > output_at
     # an answer after a pause: the policy's turn (a response no client asked for), played by LiveKit
     stopped = [i for i, e in enumerate(sent) if e["type"] == "input_audio_buffer.speech_stopped"]
     assert stopped and any(e["type"] == "response.created" and not e["response"]["metadata"]

@@ -314,3 +314,75 @@ def test_steps_off_the_clock_compile_nothing_new(ckpt_f32):
     assert_same_events(rows[b], lone_b.step_off_clock(3, text=PAD))
     assert_same_events(rows[a], want[:len(rows[a])])
     torch._dynamo.reset()
+
+
+def test_steps_of_the_tts_alone_match_the_reference(ckpt_q4, reference):
+    """While a tool runs the LLM stands still and each frame heard is a step of the TTS alone (a phrase's
+    id, or silence: no TTS or codec step): the perception and transcript go on, and the conversation
+    then resumes where the LLM stopped. The reference driven the same way: its perception and RNNT on
+    the frame, its TTS step on the id and its codec, no timeline step."""
+    assert_tts_alone_matches(nv.load_model(ckpt_q4, device="cpu"), reference(ckpt_q4))
+
+
+def assert_tts_alone_matches(model, ref) -> None:
+    """:func:`test_steps_of_the_tts_alone_match_the_reference`'s schedule on ``model`` against ``ref``."""
+    from nvchat_torch.step_plan import StepPlan
+
+    cfg = model.config
+    wave = synth_audio(1.3, seed=5)
+    phrase = [cfg.bos_token_id, 40, 41, 42, PAD, PAD, cfg.eos_token_id]
+    plan = [("hear", k) for k in range(4)] + [("speak", 4 + k, t) for k, t in enumerate(phrase)] + \
+        [("silent", 11 + k) for k in range(3)] + [("hear", 14 + k) for k in range(2)]
+    session = model.create_streaming_session(nv.StreamingOptions(system_prompt=PROMPT, deterministic=True))
+    got, ids, row = [], [], session.frame_step.rows[0]
+    for item in plan:
+        frame = wave[item[1] * FRAME:(item[1] + 1) * FRAME]
+        if item[0] == "hear":
+            events = session.push_audio(frame, 16000)
+        else:
+            before = (row.llm_position, row.tts_position)
+            events = session._step(frame, StepPlan(spoken=item[2], thinks=False) if item[0] == "speak"
+                                   else StepPlan(thinks=False, speaks=False))
+            assert (row.llm_position, row.tts_position) == (before[0], before[1] + (item[0] == "speak"))
+        got.append(events)
+        ids.append(session.last_ids)
+    # the reference, step by step
+    sess = ref.session.create_streaming_session(system_prompt=PROMPT, seed=0)
+    tts, codec = ref.model.tts_model.tts_model, ref.model.tts_model.audio_codec
+    silence_codes = ref.model.tts_model.codec_silence_tokens
+    want_codes, want_audio, transcript = [], [], ""
+    for item in plan:
+        frame = wave[item[1] * FRAME:(item[1] + 1) * FRAME]
+        if item[0] == "hear":
+            events = sess.push_audio(frame)
+            transcript += "".join(e.delta for e in events if e.kind == "user_transcript_delta")
+            audio = next(e for e in events if e.kind == "audio")
+            want_codes.append(np.array(audio.audio_codes))
+            want_audio.append(np.array(audio.samples))
+            continue
+        _, encoded = sess._perception_step(mx.array(frame))
+        update = sess._rnnt.step(encoded)
+        transcript += update[0] if update is not None else ""
+        if item[0] == "speak":
+            if item[2] == cfg.eos_token_id:  # as a timeline step does on an EOS text id
+                sess._previous_code = mx.broadcast_to(silence_codes[None, None, :], sess._previous_code.shape)
+            current = mx.array([[item[2]]], dtype=mx.int32)
+            sess._previous_code = tts.step(sess._previous_code, current, mx.ones(current.shape, dtype=mx.bool_),
+                                           sess._tts_cache, guidance=True).codes
+            clean = sess.parent._replace_control_codes(sess._previous_code)
+            want_audio.append(np.array(codec.decode_step(clean.transpose(0, 2, 1), sess._codec_cache)[0, 0]))
+            want_codes.append(np.array(clean[0, 0]))
+    heard_ids = [i for i, item in enumerate(plan) if item[0] == "hear"]
+    prompt_steps = len(sess._text_tokens) - len(heard_ids)
+    np.testing.assert_array_equal(np.array([ids[i] for i in heard_ids]),
+                                  np.stack([sess._text_tokens[prompt_steps:], sess._function_tokens[prompt_steps:]], 1))
+    codes = [next(e.audio_codes for e in events if e.kind == "audio") for events, item in zip(got, plan)
+             if item[0] != "silent"]
+    np.testing.assert_array_equal(np.stack(codes), np.stack(want_codes))
+    audio = [next(e.samples for e in events if e.kind == "audio") for events, item in zip(got, plan) if item[0] != "silent"]
+    assert snr_db(np.concatenate(want_audio), np.concatenate(audio)) >= MIN_SNR_DB
+    assert session.user_transcript == transcript
+    silent = [next(e for e in events if e.kind == "audio") for events, item in zip(got, plan) if item[0] == "silent"]
+    assert all(not e.samples.any() and e.input_frame is not None for e in silent)  # heard, and silent
+    assert not any(e.kind in ("assistant_text_delta", "function_delta") for events, item in zip(got, plan)
+                   if item[0] != "hear" for e in events)

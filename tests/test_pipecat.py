@@ -9,7 +9,10 @@ speech over the assistant, a pause) and a sink that records what reaches the spe
 The tiny random model's RNNT does not tell speech from silence, so :func:`voice_activity_rnnt`
 makes its blank follow the input's loudness (the one thing a real transcriber does that the policy
 reads). The server runs NVIDIA's policy with shorter windows than the stock 3.2 s, so the test stays
-a few seconds of audio.
+a few seconds of audio, on its real 80 ms clock. The model calls the tool a few frames into its
+greeting (its function channel forced, as a trained model would decide to call), and the tool takes
+3 s: NVIDIA's tool pipeline (on by default) speaks an acknowledgement while the call is written and an
+on-hold phrase while the tool runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 import numpy as np
 import soundfile as sf
 import torch
+from loguru import logger  # pipecat logs with loguru
 
 import nvchat_torch as nv
 from nvchat_torch.audio_io import pcm16_encode, resample
@@ -36,11 +40,12 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
-from test_server import EXAMPLE, WEATHER, serve
+from test_server import CALL, EXAMPLE, WEATHER, _CallingModel, quiet_function_channel, serve
 
 RATE = 24000  # pipecat's realtime audio rate, both ways
 CHUNK = 1920  # 80 ms
 TIMEOUT = 120.0
+TOOL_SECONDS = 3.0
 # NVIDIA's rules with shorter windows (0.8 s of silence ends an utterance, 0.64 s of speech over the
 # agent stops it); no first-turn fallback and no punctuation bias, so only the audio decides.
 POLICY = TurnTakingConfig(window=10, eou_frames=10, barge_in_frames=8, first_turn_fallback_frames=10_000,
@@ -71,21 +76,24 @@ def voice_activity_rnnt(model, threshold: float = 0.01, strength: float = 40.0):
     return joint_net.register_forward_hook(bias)
 
 
-def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """What the user does, as (phase, 16 kHz float32): quiet, a question, a pause long enough for the
-    agent to take the turn, a second question over the agent, a pause for its next turn."""
+def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
+    """What the user does, as (phase, 16 kHz float32; None: quiet until the microphone's ``until()``):
+    quiet while the agent greets, calls the tool and starts to answer with its result; a question, a
+    pause long enough for the agent to take the turn, a second question over the agent, a pause for its
+    next turn."""
     quiet = lambda frames: np.zeros(frames * 1280, np.float32)  # noqa: E731
-    return [("quiet", quiet(5)), ("speech", speech[:32000]), ("pause", quiet(15)),
+    return [("greeting", None), ("speech", speech[:32000]), ("pause", quiet(15)),
             ("burst", speech[:25600]), ("pause 2", quiet(40))]
 
 
 class Microphone(FrameProcessor):
-    """The transport's input: 80 ms frames of 24 kHz pcm16, a little faster than real time; records
-    the upstream errors that reach the pipeline's start."""
+    """The transport's input: 80 ms frames of 24 kHz pcm16, a little faster than real time (silence
+    for a phase without audio, until ``until()`` says the agent has done what it waits for); records the
+    upstream errors that reach the pipeline's start."""
 
-    def __init__(self, phases, log, ready):
+    def __init__(self, phases, log, ready, until):
         super().__init__()
-        self.phases, self.log, self.ready, self.task = phases, log, ready, None
+        self.phases, self.log, self.ready, self.until, self.task = phases, log, ready, until, None
 
     async def process_frame(self, frame, direction):
         await super().process_frame(frame, direction)
@@ -100,11 +108,13 @@ class Microphone(FrameProcessor):
         while not self.ready() and time.monotonic() < deadline:  # the service has set up its conversation
             await asyncio.sleep(0.05)
         for phase, wave in self.phases:
-            pcm = pcm16_encode(resample(wave, 16000, RATE))
+            pcm = pcm16_encode(resample(wave, 16000, RATE)) if wave is not None else bytes(2 * CHUNK)
             self.log.append(("phase", phase, time.monotonic()))
-            for i in range(0, len(pcm), 2 * CHUNK):
-                await self.push_frame(InputAudioRawFrame(audio=pcm[i:i + 2 * CHUNK], sample_rate=RATE,
-                                                         num_channels=1))
+            i = 0
+            while i < len(pcm) or (wave is None and not self.until() and time.monotonic() < deadline):
+                await self.push_frame(InputAudioRawFrame(audio=pcm[i % len(pcm):i % len(pcm) + 2 * CHUNK],
+                                                         sample_rate=RATE, num_channels=1))
+                i += 2 * CHUNK
                 await asyncio.sleep(0.04)
         self.log.append(("phase", "end", time.monotonic()))
 
@@ -152,7 +162,9 @@ CONVERSATION = ["UserStartedSpeakingFrame", "UserStoppedSpeakingFrame", "TTSAudi
 def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
     # a checkpoint whose tokenizer has the tool-call markers, so the tool is taken
     model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
-    hook = voice_activity_rnnt(model)
+    hooks = [voice_activity_rnnt(model), quiet_function_channel(model)]
+    # the model calls the tool a few frames into its greeting (the greeting's BOS on the first frame)
+    calling = _CallingModel(model, [CALL], after=3)
     speech, rate = sf.read(EXAMPLE, dtype="float32")
     assert rate == 16000
     server_errors: list = []
@@ -166,17 +178,31 @@ def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
     sent: list = []
     send = Connection.send
 
+    audio: dict = {}  # per response: the times its audio deltas were sent
+
     async def record(self, payload):
+        if payload["type"] == "response.output_audio.delta":
+            audio.setdefault(payload["response_id"], []).append(time.monotonic())
         if not payload["type"].endswith(".delta"):
-            sent.append(payload)
+            sent.append((time.monotonic(), payload))
         await send(self, payload)
 
     monkeypatch.setattr(Connection, "send", record)
     log: list = []
-    calls: list = []  # the random model seldom calls the offered tool: what it asks is not asserted
+    calls: list = []
+    pipecat_log: list = []  # what pipecat logged (loguru), at INFO and above
+    sink = logger.add(lambda message: pipecat_log.append(f"{message.record['level'].name} {message.record['message']}"),
+                      level="INFO")
+
+    def answered() -> bool:
+        """The model answers the tool's result: audio of a response the server opened after the result."""
+        output = next((t for t, e in sent if e["type"] == "conversation.item.added"
+                       and e["item"]["type"] == "function_call_output"), None)
+        return output is not None and any(min(times) > output for times in audio.values())
 
     async def get_weather(params):
         calls.append(params.arguments)
+        await asyncio.sleep(TOOL_SECONDS)  # a slow lookup: the server speaks while it runs
         await params.result_callback({"temperature_c": 21})
 
     async def run(address):
@@ -190,7 +216,8 @@ def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
                              tools=ToolsSchema(standard_tools=[weather]))
         aggregators = LLMContextAggregatorPair(context)
         mic = Microphone(microphone(speech), log, ready=lambda: any(
-            e["type"] == "conversation.item.added" and e["item"].get("role") == "user" for e in sent))
+            e["type"] == "conversation.item.added" and e["item"].get("role") == "user" for _, e in sent),
+            until=answered)
         pipeline = Pipeline([mic, aggregators.user(), llm, Speaker(log), aggregators.assistant()])
         task = PipelineTask(pipeline, params=PipelineParams(audio_in_sample_rate=RATE, audio_out_sample_rate=RATE))
         await task.queue_frames([LLMRunFrame()])
@@ -206,12 +233,37 @@ def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
         return context
 
     try:
-        with serve(model, turn_taking=POLICY, clock=0) as (address, _):
+        with serve(calling, turn_taking=POLICY) as (address, _):
             context = asyncio.run(run(address))
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
+        logger.remove(sink)
+    sent_at = {id(e): t for t, e in sent}
+    sent = [e for _, e in sent]
     kinds = [entry[0] for entry in log]
     assert not server_errors and "error" not in kinds and "ErrorFrame" not in kinds, (server_errors, log)
+    problems = [line for line in pipecat_log if "timed out" in line or line.startswith(("ERROR", "CRITICAL"))]
+    assert not problems, problems
+    # the tool ran in pipecat: while its call was written and while it ran the server spoke, the
+    # acknowledgement (in the greeting, which carried the call) and the on-hold phrase (a response of its
+    # own) reaching pipecat as assistant audio and transcript; then its result reached the model, and the
+    # model's answer came after it (the response pipecat asked for with the result: its audio from its BOS)
+    assert calls == [{"city": "Paris"}]
+    session = calling.sessions[0]
+    assert session.pending_tool_calls == []
+    assert '<TOOL_RESPONSE>[{"temperature_c": "twenty-one"}]</TOOL_RESPONSE>' in session.function_text
+    phrases = {e["reason"]: e for e in sent if e["type"] == "nvchat.hold_speech"}
+    assert sorted(phrases) == ["ack", "on_hold"], phrases
+    spoken = "".join(m["content"] for m in context.get_messages() if m["role"] == "assistant"
+                     and isinstance(m.get("content"), str))
+    for phrase in phrases.values():
+        assert audio[phrase["response_id"]] and phrase["text"] in spoken, (phrase, context.get_messages())
+    output = next(e for e in sent if e["type"] == "conversation.item.added"
+                  and e["item"]["type"] == "function_call_output")
+    answer = next(e["response"]["id"] for e in sent if e["type"] == "response.created"
+                  and sent_at[id(e)] > sent_at[id(output)])
+    assert audio.get(answer) and min(audio[answer]) > sent_at[id(output)]
     # pipecat saw the conversation: its user turn frames, the assistant's audio, the interruption
     assert find(turns(log), CONVERSATION), turns(log)
     # the server ended the interrupted response as cancelled by the turn, and pipecat truncated it

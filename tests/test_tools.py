@@ -242,6 +242,7 @@ class Driver:
     """Pushes the test signal one frame at a time and keeps every event."""
 
     def __init__(self, model, wave, **options):
+        options.setdefault("tool_hold", None)  # a call and its result a token per frame (test_tool_pipeline: the pipeline)
         self.session = model.create_streaming_session(nv.StreamingOptions(deterministic=True, **options))
         self.wave = wave
         self.events = []
@@ -438,7 +439,7 @@ def test_a_call_still_open_when_the_stream_ends_is_reported(model, wave):
     assert ending[0].text == '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Par'
     # the engine reports it the same way, with its done
     engine = model.create_engine(max_sessions=1)
-    h = engine.open(nv.StreamingOptions(deterministic=True, tools=TOOLS, system_prompt=""))
+    h = engine.open(nv.StreamingOptions(deterministic=True, tools=TOOLS, system_prompt="", tool_hold=None))
     h.force_tokens("function", span)
     h.push_audio(np.tile(wave, 2)[:len(span) * 1280], 16000)
     while h.pending_frames:

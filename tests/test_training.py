@@ -56,7 +56,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 
 def _session_run(model, wave, prompt, tools=None):
     """A deterministic session fed 80 ms at a time: each frame's (text, function) ids and codes."""
-    options = nv.StreamingOptions(system_prompt=prompt, deterministic=True, tools=tools)
+    options = nv.StreamingOptions(system_prompt=prompt, deterministic=True, tools=tools, tool_hold=None)
     session = model.create_streaming_session(options)
     ids, codes = [], []
     for i in range(len(wave) // FRAME):

@@ -439,7 +439,8 @@ def test_a_tool_call_holds_the_text_at_pad_and_the_policy_waits_for_its_result(m
     model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
     tok, pad = model.tokenizer, model.config.pad_token_id
     wave = np.concatenate([synth_audio(WAVE_SECONDS)[:20 * FRAME], np.zeros(130 * FRAME, np.float32)])  # then silence
-    options = StreamingOptions(deterministic=True, tools=TOOLS, turn_taking=TurnTakingConfig(eou_frames=8, first_turn_fallback_frames=1000))
+    options = StreamingOptions(deterministic=True, tools=TOOLS, tool_hold=None,  # the frame-by-frame path
+                               turn_taking=TurnTakingConfig(eou_frames=8, first_turn_fallback_frames=1000))
     free, _ = stream(model, options, wave[:20 * FRAME])
     assert turns(free) == [(4, "user_speech", turns(free)[0][2]), (13, "end_of_utterance", 1)]
     call = tok.encode('<SPECIAL_20><TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'

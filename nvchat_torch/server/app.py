@@ -28,7 +28,8 @@ from ..audio_io import StreamResampler
 from ..events import StreamingOptions
 from .items import ItemEvents
 from .requests import RequestEvents
-from .responses import ResponseEvents, new_id
+from .conversation_state import Response, SpokenPhrase, TurnState, new_id
+from .responses import ResponseEvents
 from .realtime_server import (MAX_BUFFERED_SECONDS, MAX_MESSAGE_BYTES, MAX_STEP_FRACTION, MAX_UNSENT_SECONDS,
                               PROMPT_CACHE_BYTES, WS_MAX_BYTES, RealtimeServer, listen_socket)
 from .scheduler import WARM_PROMPT_TOKENS, Output
@@ -68,6 +69,14 @@ def _check_tools_expressible(model, tools: list) -> None:
         ToolChannel(model.tokenizer, tools, pad_id=model.config.pad_token_id, vocab_size=0, device=model.device)
     except ValueError as e:
         raise ClientError("tools_unsupported", f"this model cannot call tools: {e}", "session.tools") from None
+
+
+def _call_start_id(model, tools: list) -> int:
+    """The function channel's start-of-call id for these tools (they were checked at session.update)."""
+    from ..tools import ToolChannel
+
+    return ToolChannel(model.tokenizer, tools, pad_id=model.config.pad_token_id, vocab_size=0,
+                       device=model.device).start_id
 
 
 def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_key: str | None = None,
@@ -179,13 +188,12 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
         self.handle: int | None = None
         self.in_resampler: StreamResampler | None = None
         self.out_resampler: StreamResampler | None = None
-        self.response: dict | None = None  # the open response (GA)
+        self.response: Response | None = None  # the open response (GA)
         self.user_item: str | None = None  # the user transcript item being filled (GA)
         self.user_text = ""
-        self.user_speaking = False  # speech_started sent, speech_stopped not yet (the policy's view)
-        self.turn_muted = False  # the client cancelled the agent's turn: the rest of it is not sent
-        self.agent_turn = False  # the text channel's last BOS/EOS was BOS: the agent holds the turn
-        self.cancelled_bos = False  # a response.create's response cancelled before its BOS: that turn is not sent
+        self.turn = TurnState()  # whose turn it is (GA)
+        self.phrase = SpokenPhrase()  # what the TTS says during a tool call (GA)
+        self.call_start_id = -1  # the start-of-call id while the session runs NVIDIA's tool pipeline
         self.frames = 0
         self.compute_s: deque[float] = deque(maxlen=25)
         self.client_event_id: str | None = None
@@ -329,13 +337,11 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                     raise ClientError("invalid_state", "no session to cancel: send session.update first")
                 self.scheduler.cancel(self.handle)
             elif self.response is not None:
-                self.cancelled_bos = self.response["waiting"]
-                await self._close_response("cancelled")
-                self.turn_muted = True
+                await self._cancel_response()
         elif etype == "output_audio_buffer.clear":
             # the client plays the deltas itself (WebSocket): there is no server-side buffer to clear
             await self.send({"type": "output_audio_buffer.cleared",
-                             "response_id": None if self.response is None else self.response["id"]})
+                             "response_id": None if self.response is None else self.response.id})
         elif etype == "response.create":
             if self.dialect != "mlx":  # mlx-vlm's dialect has no responses to ask for
                 await self._response_create(event)
@@ -374,6 +380,7 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                 "tools": cfg.tools, "tool_choice": "auto",
                 "nvchat": {"deterministic": cfg.deterministic, "seed": cfg.seed,
                            "turn_taking": turn_taking_json(cfg.turn_taking), "listening_audio": cfg.listening_audio,
+                           "tool_hold": None if cfg.tool_hold is None else cfg.tool_hold.to_dict(),
                            "max_streaming_seconds": cfg.max_streaming_seconds, "stats": cfg.stats,
                            "frame_samples": self.frame_samples, "max_message_bytes": self.server.max_message_bytes,
                            "max_buffered_seconds": self.server.max_buffered_samples / self.model_rate,
@@ -418,7 +425,9 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
         self.out_resampler = StreamResampler(self.output_model_rate, self.config.output_rate)
         self.announce_open = announce
         self.handle = self.scheduler.open(options, self._deliver, tag=self.client_event_id)
-        if self.response is not None and self.response["waiting"]:  # asked for before the start: the
+        if self.config.tools and self.config.tool_hold is not None:  # its calls run NVIDIA's pipeline
+            self.call_start_id = _call_start_id(self.server.model, self.config.tools)
+        if self.response is not None and self.response.waiting:  # asked for before the start: the
             self._force_turn()  # agent speaks from the first frame
 
     # ---- audio in
@@ -494,6 +503,8 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                 return
 
     async def _stats(self, out: Output) -> None:
+        """A step that heard a frame of audio: counted (``frames``, what ``audio_end_ms`` and the usage
+        read), its compute time kept, and every fifth an ``nvchat.stats``."""
         self.frames += 1
         self.compute_s.append(out.compute_s)
         if self.config.stats and self.frames % 5 == 0:

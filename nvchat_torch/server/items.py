@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .ga_schema import MCP_ITEMS, UnknownKey, check, show
-from .responses import new_id
+from .conversation_state import ToolResultRequest, new_id
 from .session_config import ClientError
 
 __all__ = ["ItemEvents", "MAX_ITEMS", "render_message"]
@@ -165,7 +165,8 @@ class ItemEvents:
                 value = json.loads(item["output"])
             except (ValueError, RecursionError):
                 value = item["output"]
-            self.scheduler.call(self.handle, "send_tool_result", item["call_id"], value, tag=self.client_event_id)
+            self.scheduler.call(self.handle, "send_tool_result", item["call_id"], value,
+                                tag=ToolResultRequest(self.client_event_id, item["call_id"], item["id"]))
         elif item["type"] in MCP_ITEMS:
             notice = ("item_not_used", f"this server has no MCP tools: this {item['type']} item is recorded, and "
                       "the model does not use it")

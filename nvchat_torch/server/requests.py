@@ -6,7 +6,9 @@ turn-taking policy uses at an end of utterance, here on request), and the respon
 that frame carries the request's ``metadata`` (LiveKit Agents waits for its ``client_event_id``
 there). The response is announced at once and waits for its BOS frame (``waiting``): nothing of
 the frames before it is sent. A request made while a response is open (or waiting) joins it: no
-second BOS, and the open response takes the metadata (``response.done`` shows it). What the model
+second BOS, and the open response takes the metadata (``response.done`` shows it); but for one that
+carries a phrase spoken while a tool runs, which ends there (the rest of the phrase is the request's).
+During a tool call the BOS is forced once the session is back on the clock. What the model
 cannot honour of a request (per-response instructions, tools, an out-of-band conversation, text
 only) is validated and taken, and docs/server.md says what happens instead.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .conversation_state import Response, TurnState
 from .ga_schema import AnyJSON, Bool, Int, ListOf, Obj, OneOf, Str, UnknownKey, check, show
 from .session_config import ClientError
 
@@ -83,7 +86,8 @@ def check_response_create(event: dict) -> dict:
 class RequestEvents:
     """Mixed into ``Connection``: ``response.create``."""
 
-    response: dict | None
+    response: Response | None
+    turn: TurnState
     handle: int | None
     scheduler: Any
     bos_id: int
@@ -92,14 +96,22 @@ class RequestEvents:
     async def _response_create(self, event: dict) -> None:
         params = check_response_create(event)
         metadata = params.get("metadata")
-        if self.response is not None:  # the agent speaks, or is about to: the request joins its response
+        r = self.response
+        if r is not None and r.kind != "phrase":  # the agent speaks, or is about to: the request joins its response
             if metadata is not None:
-                self.response["metadata"] = metadata
+                r.metadata = metadata
             return
+        if r is not None:
+            # A phrase spoken while a tool runs is not the agent's turn: its response ends here, and the
+            # rest of the phrase is the requested response's first audio (docs/server.md).
+            await self._close_response("completed")
         # Announced at once, so a client waiting for it (LiveKit gives up after 10 s) does not wait out
-        # a prompt's prefill or a backlog of frames; its audio starts on the frame with the BOS.
+        # a prompt's prefill, a backlog of frames or a tool call; its audio starts on the frame with the BOS.
         await self._open_response(metadata=metadata, waiting=True)
-        self._force_turn()
+        if self.turn.in_tool_call:  # the pipeline's steps force the text channel: the BOS waits for the clock
+            self.turn.bos_owed = True
+        else:
+            self._force_turn()
 
     def _force_turn(self) -> None:
         """The agent's BOS on the session's next frame (a session not started yet gets it when it

@@ -1,6 +1,6 @@
 """The worker's outputs as protocol events, for :class:`~nvchat_torch.server.app.Connection`: OpenAI
-Realtime GA responses (items, transcripts, audio, function calls) and mlx-vlm's dialect (one event
-per model event). The mapping is documented in docs/server.md.
+Realtime GA responses (items, transcripts, audio, function calls, the speech during a tool call) and
+mlx-vlm's dialect (one event per model event). The mapping is documented in docs/server.md.
 """
 
 from __future__ import annotations
@@ -9,40 +9,34 @@ import base64
 import json
 import logging
 import math
-import uuid
 from typing import Any
 
 import numpy as np
 
 from ..audio_io import pcm16_encode
 from ..turn_taking import TurnTakingConfig
+from .conversation_state import Response, ResponseKind, ResponseStatus, SpokenPhrase, TurnState, new_id
 from .scheduler import Output
 from .session_config import encode_audio, format_json
+from .tool_speech import ToolSpeechEvents
 
 __all__ = ["ResponseEvents"]
 
 log = logging.getLogger("nvchat_torch.server")
 
 
-def new_id(prefix: str) -> str:
-    """A fresh protocol id (``event_...``, ``item_...``, ``resp_...``, ``sess_...``)."""
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
-
-
-class ResponseEvents:
+class ResponseEvents(ToolSpeechEvents):
     """The outgoing half of a connection: ``_ga_output`` / ``_mlx_output`` turn one worker output into
     events and say whether the connection is over. Mixed into ``Connection``, whose state it reads
-    (``response``, ``user_item``, ``config``, ...) and whose ``send``, ``send_error``, ``_stats`` and
-    ``_end`` it uses."""
+    (``response``, ``turn``, ``user_item``, ``config``, ...) and whose ``send``, ``send_error``, ``_stats``
+    and ``_end`` it uses."""
 
     # Connection's state and plumbing (set in its __init__ and methods)
-    response: dict | None
+    response: Response | None
+    turn: TurnState
+    phrase: SpokenPhrase
     user_item: str | None
     user_text: str
-    user_speaking: bool
-    agent_turn: bool
-    turn_muted: bool
-    cancelled_bos: bool
     frames: int
     session_id: str
     eos_id: int
@@ -56,16 +50,17 @@ class ResponseEvents:
     output_model_rate: int
 
     async def _client_refusal(self, out: Output) -> bool:
-        """Both dialects: a queued call the session refused (an unknown tool ``call_id``: the client's
-        error, naming the event that asked, not the last one read), or options the engine would not
-        open a session with. True when ``out`` was one of them."""
+        """Both dialects: a queued call the session refused (a tool result: :meth:`_result_refused`), or
+        options the engine would not open a session with. True when ``out`` was one of them."""
         if out.kind == "rejected":
-            await self.send_error("invalid_tool_result", str(out.error), param="item.call_id", event_id=out.tag)
+            await self._result_refused(out)
         elif out.kind == "refused":
             await self._refused(out)
         return out.kind in ("rejected", "refused")
 
+    # ---- GA
     async def _ga_output(self, out: Output) -> bool:
+        """One worker output as GA events; True once the connection is over."""
         if out.kind == "opened" or await self._client_refusal(out):
             return False
         if out.kind == "error":
@@ -76,57 +71,83 @@ class ResponseEvents:
                                   kind="server_error", event_id=None)
             return await self._end(1011)
         if out.kind == "mark":
-            if out.tag == "clear":
-                await self.send({"type": "input_audio_buffer.cleared"})
-            elif out.tag == "commit":
-                if self.user_speaking:  # the commit ends the user's speech where the audio ends
-                    await self._speech_stopped(self.frames)
-                await self._open_user_item()
-                await self.send({"type": "input_audio_buffer.committed", "item_id": self.user_item,
-                                 "previous_item_id": None})
-                await self._complete_user_item()
-                self.turn_muted = False
-                if self.response is None:
-                    await self._open_response()
-                await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
-                if not self.response["waiting"]:  # one a response.create asked for goes on to its BOS
-                    await self._close_response("completed")
+            await self._mark(out.tag)
             return False
-        for event in out.events:  # the policy's turn events first: a barge-in ends the response
-            if event.kind == "turn":
-                await self._turn(event)
-        if out.ids is not None and out.ids[0] == self.bos_id and self.user_speaking:
-            # The agent takes the turn on its own BOS while the user's speech is open (no end of
-            # utterance stopped it): that speech ends here, so each speech_started has its
-            # speech_stopped and a later barge-in sends its own speech_started.
-            frame = next((e.input_frame for e in out.events if e.input_frame is not None), self.frames)
-            await self._speech_stopped(frame)
-        if out.ids is not None and out.ids[0] in (self.bos_id, self.eos_id):
-            # a turn begins or ends: a cancelled one is over, but for the BOS of a cancelled request
-            bos = out.ids[0] == self.bos_id
-            self.turn_muted, self.cancelled_bos = bos and self.cancelled_bos, self.cancelled_bos and not bos
-            self.agent_turn = bos
-        if out.ids is not None and out.ids[0] == self.bos_id and not self.turn_muted:
-            if self.response is None:
-                await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
-            self.response["waiting"] = False  # a response.create's response starts here
-        for event in out.events:  # "events" and "limit"
-            await self._ga_event(event)
-        if self.response is not None and self.response["calls"]:
-            # A response that carries function calls ends once they are complete: the client sends
-            # their results after its response.done, and the answer opens a response of its own.
-            await self._close_response("completed")
-        if out.ids is not None:
-            await self._stats(out)
-            if out.ids[0] == self.eos_id and self.response is not None and not self.response["waiting"] and (
-                    self.response["spoke"] or not self.config.listening_audio):
-                await self._close_response("completed")
+        await self._step(out)  # "events": a step's (a "limit" has none: the frames before it have run)
         if out.kind == "limit":
             if self.response is not None:
                 await self._close_response("incomplete")
             await self.send_error("context_limit", str(out.error), kind="invalid_request_error", event_id=None)
             return await self._end(1000)
         return False
+
+    async def _mark(self, tag: Any) -> None:
+        """A job the connection queued behind the audio sent before it has run: ``input_audio_buffer.clear``'s,
+        or a commit's (everything sent so far has been heard)."""
+        if tag == "clear":
+            await self.send({"type": "input_audio_buffer.cleared"})
+        elif tag == "commit":
+            if self.turn.user_speaking:  # the commit ends the user's speech where the audio ends
+                await self._speech_stopped(self.frames)
+            await self._open_user_item()
+            await self.send({"type": "input_audio_buffer.committed", "item_id": self.user_item,
+                             "previous_item_id": None})
+            await self._complete_user_item()
+            self.turn.turn_muted = False
+            if self.response is None:
+                await self._open_response()
+            await self._send_audio(self.out_resampler(np.zeros(0, np.float32), last=True))
+            if not self.response.waiting:  # one a response.create asked for goes on to its BOS
+                await self._close_response("completed")
+
+    async def _step(self, out: Output) -> None:
+        """One step's events, as the protocol reads them: the policy's turn events (a barge-in ends the
+        response); the turn the text channel takes or ends (its BOS or EOS); the channels' events (the
+        transcripts, the audio, the calls); then the responses that ends: one that carries calls, once
+        they are written; the agent's turn at its EOS."""
+        heard = any(event.input_frame is not None for event in out.events)
+        text_id = None if out.ids is None else out.ids[0]
+        if heard and out.ids is not None:
+            await self._on_the_clock()
+        for event in out.events:
+            if event.kind == "turn":
+                await self._turn(event)
+        if text_id == self.bos_id:
+            await self._agent_takes_the_turn(out)
+        elif text_id == self.eos_id:
+            self._agent_ends_the_turn()
+        for event in out.events:
+            await self._ga_event(event)
+        r = self.response
+        if r is not None and r.calls:
+            # A response that carries function calls ends once they are complete: the client sends
+            # their results after its response.done, and the answer opens a response of its own.
+            await self._close_response("completed")
+        if heard:
+            await self._stats(out)
+        r = self.response
+        if text_id == self.eos_id and r is not None and not r.waiting and (r.spoke or not self.config.listening_audio):
+            await self._close_response("completed")
+        await self._after_step(out)
+
+    async def _agent_takes_the_turn(self, out: Output) -> None:
+        """The text channel's BOS (the model's own, or the policy's, or one a response.create forced)."""
+        if self.turn.user_speaking:
+            # The agent takes the turn on its own BOS while the user's speech is open (no end of
+            # utterance stopped it): that speech ends here, so each speech_started has its
+            # speech_stopped and a later barge-in sends its own speech_started.
+            frame = next((e.input_frame for e in out.events if e.input_frame is not None), self.frames)
+            await self._speech_stopped(frame)
+        turn = self.turn  # a cancelled turn is over, but for the BOS of a cancelled request
+        turn.turn_muted, turn.cancelled_bos, turn.agent_turn = turn.cancelled_bos, False, True
+        if not turn.turn_muted:
+            if self.response is None:
+                await self._open_response()  # the agent takes the turn (its own BOS, or the policy's)
+            self.response.waiting = False  # a response.create's response starts here
+
+    def _agent_ends_the_turn(self) -> None:
+        """The text channel's EOS: a cancelled turn is over (a cancelled request's BOS may still come)."""
+        self.turn.turn_muted = self.turn.agent_turn = False
 
     async def _turn(self, event) -> None:
         """NVIDIA's policy acted (docs/server.md, "Turns"): the user's speech starts or stops as the
@@ -138,15 +159,15 @@ class ResponseEvents:
         if event.reason in ("user_speech", "barge_in"):
             if event.reason == "barge_in" and self.response is not None:
                 await self._close_response("cancelled", reason="turn_detected")
-            if not self.user_speaking:
+            if not self.turn.user_speaking:
                 await self._open_user_item()
-                self.user_speaking = True
+                self.turn.user_speaking = True
                 # a barge-in is confirmed after barge_in_frames of speech: that is where it began
                 start = frame + 1 - policy.barge_in_frames if event.reason == "barge_in" else frame
                 await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._frame_ms(start),
                                  "item_id": self.user_item})
         elif event.reason in ("end_of_utterance", "first_turn_fallback"):
-            if self.user_speaking:
+            if self.turn.user_speaking:
                 # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands
                 await self._speech_stopped(frame + 1 - policy.eou_frames if event.reason == "end_of_utterance"
                                            else frame)
@@ -159,7 +180,7 @@ class ResponseEvents:
         await self._open_user_item()
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._frame_ms(end_frame),
                          "item_id": self.user_item})
-        self.user_speaking = False
+        self.turn.user_speaking = False
         await self._complete_user_item()
 
     def _frame_ms(self, frame: int) -> int:
@@ -186,44 +207,58 @@ class ResponseEvents:
         if kind in ("done", "cancelled", "turn", "function_delta"):
             # function_delta: the raw function channel is mlx-vlm's; GA clients get parsed tool calls
             return
+        if kind == "hold_speech":
+            await self._hold_speech(event)
+            return
         if kind == "audio":
             # Every frame's audio goes through the resampler (one continuous stream), and out only
-            # within a response: while the model listens its near-silence is held back (docs/server.md).
+            # within a response: while the model listens its near-silence is held back, and during a
+            # tool call all but the phrases spoken (docs/server.md).
             samples = self.out_resampler(event.samples)
-            if self.response is None and self.config.listening_audio:
-                await self._open_response()
-            await self._send_audio(samples)
+            if self.phrase.steps_left:
+                await self._phrase_audio(samples)
+            elif self.config.listening_audio or not self.turn.in_tool_call:
+                if self.response is None and self.config.listening_audio:
+                    await self._open_response()
+                await self._send_audio(samples)
             return
         if kind == "tool_call_error":
             # not the client's error: a notice, and the session goes on (the model sees no result)
             await self.send({"type": "nvchat.notice", "code": "tool_call_parse_error", "message":
                              f"the model's tool call could not be used: {event.reason} (raw: {event.text!r})"})
             return
-        if kind == "assistant_text_delta" and (self.turn_muted or (self.response and self.response["waiting"]) or (
-                self.response is None and not self.agent_turn and self.config.turn_taking is not None
+        if kind == "assistant_text_delta" and (self.turn.turn_muted or (self.response and self.response.waiting) or (
+                self.response is None and not self.turn.agent_turn and self.config.turn_taking is not None
                 and not self.config.listening_audio)):
             # The rest of a turn the client cancelled; or, with the policy, text outside the agent's
             # turn (BOS ... EOS), which the real model does not emit: not bot speech
             return
         if self.response is None:
-            await self._open_response()
-        r = self.response
+            await self._open_response(kind="call" if kind == "tool_call" else "turn")
         if kind == "assistant_text_delta":
-            if not r["spoke"]:  # the model takes the turn: the user's item is complete
-                r["spoke"] = True
-                await self._complete_user_item()
-            r["transcript"] += event.delta
-            await self.send({"type": "response.output_audio_transcript.delta", "response_id": r["id"],
-                             "item_id": r["item_id"], "output_index": 0, "content_index": 0, "delta": event.delta})
+            await self._say(event.delta)
         elif kind == "tool_call":
             await self._tool_call(event)
 
-    async def _send_audio(self, samples: np.ndarray) -> None:
-        if len(samples) and self.response is not None and not self.response["waiting"]:
-            r = self.response
-            r["audio_ms"] += len(samples) * 1000 / self.config.output_rate
-            self._spoken(r["item_id"], math.floor(r["audio_ms"]), len(r["transcript"]))
-            await self.send({"type": "response.output_audio.delta", "response_id": r["id"], "item_id": r["item_id"],
+    async def _say(self, delta: str) -> None:
+        """Transcript of what the open response's message says: the model's text, or a phrase the TTS
+        speaks during a tool call."""
+        r = self.response
+        if not r.spoke:  # the agent speaks: the user's item is complete
+            r.spoke = True
+            await self._complete_user_item()
+        r.transcript += delta
+        await self.send({"type": "response.output_audio_transcript.delta", "response_id": r.id,
+                         "item_id": r.item_id, "output_index": 0, "content_index": 0, "delta": delta})
+
+    async def _send_audio(self, samples: np.ndarray, phrase: bool = False) -> None:
+        """Audio in the open response, unless it waits for its BOS (a ``phrase`` spoken during a tool call
+        goes either way)."""
+        r = self.response
+        if len(samples) and r is not None and (phrase or not r.waiting):
+            r.audio_ms += len(samples) * 1000 / self.config.output_rate
+            self._spoken(r.item_id, math.floor(r.audio_ms), len(r.transcript))
+            await self.send({"type": "response.output_audio.delta", "response_id": r.id, "item_id": r.item_id,
                              "output_index": 0, "content_index": 0,
                              "delta": base64.b64encode(encode_audio(samples, self.config.output_format)).decode()})
 
@@ -237,63 +272,76 @@ class ResponseEvents:
                                    "content": [{"type": "input_audio", "transcript": self.user_text}]})
             self.user_item, self.user_text = None, ""
 
-    def _response_object(self, r: dict, status: str, output: list, reason: str = "client_cancelled") -> dict:
-        body = {"id": r["id"], "object": "realtime.response", "status": status, "output": output,
-                "conversation_id": self.session_id, "output_modalities": ["audio"], "metadata": r["metadata"],
+    def _response_object(self, r: Response, status: str, output: list, reason: str = "client_cancelled") -> dict:
+        body = {"id": r.id, "object": "realtime.response", "status": status, "output": output,
+                "conversation_id": self.session_id, "output_modalities": ["audio"], "metadata": r.metadata,
                 "audio": {"output": {"format": format_json(self.config.output_format, self.config.output_rate)}}}
         if status == "cancelled":
             body["status_details"] = {"type": "cancelled", "reason": reason}
         return body
 
-    async def _open_response(self, metadata: dict | None = None, waiting: bool = False) -> None:
+    async def _open_response(self, metadata: dict | None = None, waiting: bool = False,
+                             kind: ResponseKind = "turn") -> None:
         """Open a response: the agent takes the turn, or (``waiting``, a ``response.create``'s) will on
-        the frame with its BOS; nothing of the frames before that is sent."""
-        self.response = r = {"id": new_id("resp"), "item_id": new_id("item"), "transcript": "", "spoke": False,
-                             "calls": [], "metadata": metadata, "waiting": waiting, "audio_ms": 0.0}
+        the frame with its BOS, nothing of the frames before that sent; or a tool call's speech."""
+        self.response = r = Response(kind=kind, metadata=metadata, waiting=waiting)
         await self.send({"type": "response.created", "response": self._response_object(r, "in_progress", [])})
-        item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
+        item = {"id": r.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
-        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
+        await self.send({"type": "response.output_item.added", "response_id": r.id, "output_index": 0,
                          "item": item})
         await self._item_added(item)
-        await self.send({"type": "response.content_part.added", "response_id": r["id"], "item_id": r["item_id"],
+        await self.send({"type": "response.content_part.added", "response_id": r.id, "item_id": r.item_id,
                          "output_index": 0, "content_index": 0, "part": {"type": "audio", "transcript": ""}})
 
-    async def _close_response(self, status: str, reason: str = "client_cancelled") -> None:
+    async def _close_response(self, status: ResponseStatus, reason: str = "client_cancelled") -> None:
         r, self.response = self.response, None
-        ids = {"response_id": r["id"], "item_id": r["item_id"], "output_index": 0, "content_index": 0}
+        ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
         await self.send({"type": "response.output_audio.done", **ids})
-        await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": r["transcript"]})
+        await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": r.transcript})
         await self.send({"type": "response.content_part.done", **ids,
-                         "part": {"type": "audio", "transcript": r["transcript"]}})
-        item = {"id": r["item_id"], "object": "realtime.item", "type": "message", "role": "assistant",
+                         "part": {"type": "audio", "transcript": r.transcript}})
+        item = {"id": r.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "completed" if status == "completed" else "incomplete",
-                "content": [{"type": "output_audio", "transcript": r["transcript"]}]}
-        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
+                "content": [{"type": "output_audio", "transcript": r.transcript}]}
+        await self.send({"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
                          "item": item})
         await self._item_done(item)
         await self.send({"type": "response.done",
-                         "response": self._response_object(r, status, [item, *r["calls"]], reason)})
+                         "response": self._response_object(r, status, [item, *r.calls], reason)})
+
+    async def _cancel_response(self) -> None:
+        """``response.cancel``: the open response ends as ``cancelled``, and the rest of what it was saying
+        is not sent: the agent's turn (until its EOS, its next BOS or a commit), or the phrase it carries.
+        A request still waiting for its BOS: one already forced will come, and that turn is not sent; one
+        owed (a tool call runs) is not forced."""
+        r, turn = self.response, self.turn
+        turn.cancelled_bos, turn.bos_owed = r.waiting and not turn.bos_owed, False
+        self.phrase.muted = self.phrase.steps_left > 0
+        await self._close_response("cancelled")
+        if r.kind != "phrase":  # a phrase's response is not the agent's turn
+            turn.turn_muted = True
 
     async def _tool_call(self, event) -> None:
         r = self.response
         arguments = json.dumps(event.arguments, ensure_ascii=False)
-        index = 1 + len(r["calls"])
+        index = 1 + len(r.calls)
         item = {"id": new_id("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": event.call_id, "name": event.name, "arguments": ""}
-        await self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
+        await self.send({"type": "response.output_item.added", "response_id": r.id, "output_index": index,
                          "item": item})
         await self._item_added(item)
-        ids = {"response_id": r["id"], "item_id": item["id"], "output_index": index, "call_id": event.call_id}
+        ids = {"response_id": r.id, "item_id": item["id"], "output_index": index, "call_id": event.call_id}
         await self.send({"type": "response.function_call_arguments.delta", **ids, "delta": arguments})
         await self.send({"type": "response.function_call_arguments.done", **ids, "name": event.name,
                          "arguments": arguments})
         item = {**item, "status": "completed", "arguments": arguments}
-        r["calls"].append(item)
-        await self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": index,
+        r.calls.append(item)
+        await self.send({"type": "response.output_item.done", "response_id": r.id, "output_index": index,
                          "item": item})
         await self._item_done(item)
 
+    # ---- mlx-vlm's dialect
     async def _mlx_output(self, out: Output) -> bool:
         if out.kind == "opened":
             if self.announce_open:
@@ -338,6 +386,9 @@ class ResponseEvents:
             return {"type": "response.audio.delta", **head,
                     "delta": base64.b64encode(pcm16_encode(event.samples)).decode("ascii"), "format": "pcm16",
                     "sample_rate": event.sample_rate, "channels": 1, "audio_codes": event.audio_codes.tolist()}
+        if event.kind == "hold_speech":  # ours, not mlx-vlm's: a phrase the TTS speaks from this frame on
+            return {"type": "nvchat.hold_speech", **head, "text": event.text, "reason": event.reason,
+                    "call_id": event.call_id, "frames": event.frames}
         if event.kind == "done":
             return {"type": "response.done", **head}
         if event.kind == "cancelled":

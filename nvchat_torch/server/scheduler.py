@@ -25,31 +25,35 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 from ..events import ContextLimit, StreamingOptions
 from ..prompt_cache import PromptCache
 
-__all__ = ["FrameScheduler", "Output", "WARM_PROMPT_TOKENS"]
+__all__ = ["FrameScheduler", "Output", "OutputKind", "WARM_PROMPT_TOKENS"]
 
 log = logging.getLogger("nvchat_torch.server")
+
+
+OutputKind = Literal["opened", "events", "mark", "limit", "rejected", "refused", "error"]
 
 
 @dataclass
 class Output:
     """What the worker hands back to a connection, in the order the jobs ran.
 
-    kind: "opened" | "events" (one frame's or a flush's events; ``ids`` the frame's raw text and
-    function ids, ``compute_s`` the wall time of the step that ran it) | "mark" (``tag`` as queued) |
-    "limit" (max_streaming_seconds was reached: the frames before it ran, the rest was dropped) |
-    "rejected" (a queued call raised ``ValueError``; the session goes on; ``tag`` as queued) |
-    "refused" (the engine would not open the session: ``error``, ``tag``) | "error" (``error``: the
-    exception; the session is over).
+    kind: "opened" | "events" (one step's or a flush's events; ``ids`` the step's raw text and
+    function ids when its LLM stepped and its audio came out, else None: a step of the TTS alone while
+    a tool runs, one whose speech is not kept; ``compute_s`` the wall time of the step that ran it) |
+    "mark" (``tag`` as queued) | "limit" (max_streaming_seconds was reached: the frames before it ran,
+    the rest was dropped) | "rejected" (a queued call raised ``ValueError``; the session goes on; ``tag``
+    as queued) | "refused" (the engine would not open the session: ``error``, ``tag``) | "error"
+    (``error``: the exception; the session is over).
     """
 
-    kind: str
+    kind: OutputKind
     events: list = field(default_factory=list)
     ids: tuple[int, int] | None = None
     compute_s: float = 0.0
@@ -234,7 +238,22 @@ class FrameScheduler:
 
     def _busy(self) -> bool:
         return bool(self._closing) or bool(self.engine.joining) or self._warming is not None or \
-            any(s.jobs or self._ready(s) for s in self._slots.values())
+            any(s.jobs or self._ready(s) or self._holding(s) for s in self._slots.values())
+
+    @staticmethod
+    def _holding(slot: _Slot) -> bool:
+        """A tool runs for the slot's session: it steps every tick, audio or not (the TTS alone speaks)."""
+        s = slot.session
+        return s is not None and not s.closed and not s.prefilling and s.holding
+
+    def _tick_holds(self, slots: list[_Slot]) -> None:
+        """Before an on-clock step: each session a tool runs for takes a step even without audio, so its
+        phrases and its timeout go by wall time (with a real clock: with none, by the audio given)."""
+        if not self.clock:
+            return
+        for slot in slots:
+            if self._holding(slot):
+                slot.session.hold_tick()
 
     def _warm(self) -> None:
         """One piece of making the default mode's prefill track while nothing else waits (one TTS step). A
@@ -257,6 +276,7 @@ class FrameScheduler:
             slots = self._open_slots()
             for slot in slots:
                 self._feed(slot)
+            self._tick_holds(slots)
             if not any(self._ready(s) for s in slots):
                 if self.engine.joining:  # nobody to step: prefill for a clock, then look at the jobs again
                     self._prefill(slots, max(self.clock, 0.02))
@@ -280,6 +300,7 @@ class FrameScheduler:
                 slots = self._open_slots()
                 for slot in slots:  # what arrived meanwhile runs in this step
                     self._feed(slot)
+                self._tick_holds(slots)
                 if not any(self._ready(s) for s in slots):
                     break  # the next frame to arrive starts a step at once
                 tick += self.clock
@@ -344,12 +365,12 @@ class FrameScheduler:
         return max([record[-1][1] for record in records if record] or [0.0])
 
     def _still_behind(self) -> bool:
-        """Forget the sessions no longer behind (caught up, their audio dropped, closed); any left?"""
-        if not self.catch_up:
-            return False
+        """Forget the sessions no longer behind (caught up, their audio dropped, closed; without catch-up,
+        their steps off the clock done); any left?"""
         for slot, steps in list(self._behind.items()):
             s = slot.session
-            if slot.closed or s is None or s.closed or min(steps, s.pending_steps) <= 0:
+            if slot.closed or s is None or s.closed or min(steps, s.pending_steps) <= 0 or \
+                    not (self.catch_up or s.off_clock_due):
                 del self._behind[slot]
         return bool(self._behind)
 
@@ -361,7 +382,9 @@ class FrameScheduler:
         self._step(slots, on_clock=False)
         for slot in self._behind:
             if slot.session is not None and not slot.closed:
-                self._behind[slot] = min(self._behind[slot] - 1, slot.session.pending_steps)
+                # a step off the clock due (a tool call written, its result injected) keeps it behind
+                steps = min(self._behind[slot] - 1, slot.session.pending_steps)
+                self._behind[slot] = max(steps, int(slot.session.off_clock_due))
         self._still_behind()  # the ones caught up now keep pace: their new audio waits for the tick
         self._feed_between_ticks(slots)
 
@@ -488,6 +511,7 @@ class FrameScheduler:
             ran = any(e.kind == "audio" for e in events)
             slot.deliver(Output("events", events=events, ids=slot.session.last_ids if ran else None,
                                 compute_s=compute_s if ran else 0.0))
-        if on_clock and self.catch_up and self.clock > 0:
-            self._behind = {slot: slot.session.pending_steps for slot in slots if slot.session is not None
-                            and not slot.closed and not slot.session.prefilling and slot.session.pending_steps}
+        if on_clock and self.clock > 0:  # without catch-up, still the steps off the clock (not frames)
+            self._behind = {slot: slot.session.pending_steps if self.catch_up else 1 for slot in slots
+                            if slot.session is not None and not slot.closed and not slot.session.prefilling
+                            and (slot.session.pending_steps if self.catch_up else slot.session.off_clock_due)}

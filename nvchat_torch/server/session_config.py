@@ -9,16 +9,19 @@ what is in effect. Both dialects take the ``nvchat`` extension object (:data:`NV
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
 
 from ..audio_io import G711_RATE, g711_decode, g711_encode, pcm16_decode, pcm16_encode
 from ..events import StreamingOptions
+from ..tool_hold import ToolHold
 from .ga_schema import PASS_THROUGH, UnknownKey, check, show
 
 __all__ = ["ClientError", "SessionConfig", "NVCHAT_KEYS", "GA_SESSION_KEYS", "MLX_SESSION_KEYS", "INPUT_RATES",
            "OUTPUT_RATES", "AUDIO_FORMATS", "ga_update", "turn_detection_policy", "not_applied", "mlx_update",
+           "tool_hold_config", "check_tool_hold",
            "is_mlx_update", "format_json", "decode_audio", "encode_audio"]
 
 INPUT_RATES = (24000, 16000)  # 24 kHz is resampled to the model's 16 kHz; 16 kHz goes in as it is
@@ -30,10 +33,11 @@ AUDIO_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 # The nvchat extension: key -> accepted types.
 NVCHAT_KEYS: dict[str, tuple[type, ...]] = {"deterministic": (bool,), "seed": (int,),
                                             "max_streaming_seconds": (int, float, type(None)), "stats": (bool,),
-                                            "turn_taking": (bool, dict), "listening_audio": (bool,)}
+                                            "turn_taking": (bool, dict), "listening_audio": (bool,),
+                                            "tool_hold": (dict, type(None))}
 # Fixed once the conversation runs: a later session.update may carry other values; they are taken
 # (no error) but not applied, and session.updated lists them in nvchat.not_applied.
-FIXED_AFTER_START = ("instructions", "deterministic", "seed", "max_streaming_seconds", "tools")
+FIXED_AFTER_START = ("instructions", "deterministic", "seed", "max_streaming_seconds", "tools", "tool_hold")
 # The GA session object's keys (openai's RealtimeSessionCreateRequest), and ours.
 GA_SESSION_KEYS = frozenset({"type", "model", "instructions", "output_modalities", "audio", "tools", "tool_choice",
                              "include", "max_output_tokens", "parallel_tool_calls", "prompt", "reasoning",
@@ -77,6 +81,8 @@ class SessionConfig:
     base_turn_taking: Any = None  # the server's policy, which the client's GA turn_detection adjusts
     turn_taking_given: bool = False  # nvchat.turn_taking was sent: it wins over turn_detection
     listening_audio: bool = False  # send the audio of frames where the model only listens
+    # NVIDIA's tool pipeline for the session's calls (its stock settings; None: calls stream a token a frame)
+    tool_hold: ToolHold | None = dataclasses.field(default_factory=ToolHold)
     messages: list = dataclasses.field(default_factory=list)  # message items created before the start, rendered
 
     def prompt(self, default: str | None) -> str | None:
@@ -93,7 +99,7 @@ class SessionConfig:
             kwargs["turn_taking"] = self.turn_taking
         try:
             return StreamingOptions(system_prompt=self.prompt(default_prompt), seed=self.seed,
-                                    deterministic=self.deterministic,
+                                    deterministic=self.deterministic, tool_hold=self.tool_hold,
                                     max_streaming_seconds=self.max_streaming_seconds, **kwargs)
         except ValueError as e:
             raise ClientError("invalid_value", f"cannot start the session: {e}", "session") from None
@@ -166,15 +172,50 @@ def turn_taking_config(value: Any, where: str = "session.nvchat.turn_taking") ->
 
     if value is True:
         return TurnTakingConfig()
-    names = sorted(f.name for f in dataclasses.fields(TurnTakingConfig))
-    for key in _object(value, where):
-        if key not in names:
-            raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}; {where} takes "
-                              f"{', '.join(names)}", f"{where}.{show(key, 40)[1:-1]}")
+    _known_keys(_object(value, where), TurnTakingConfig, where)
     try:
         return TurnTakingConfig.from_dict(value)
     except (ValueError, TypeError) as e:
         raise ClientError("invalid_value", f"session.nvchat.{e}", where) from None
+
+
+def _known_keys(value: dict, fields_of: type, where: str) -> None:
+    """An ``unknown_parameter`` naming the first key of ``value`` that is not a field of ``fields_of``."""
+    names = sorted(f.name for f in dataclasses.fields(fields_of))
+    for key in value:
+        if key not in names:
+            raise ClientError("unknown_parameter", f"unknown parameter {where}.{show(key, 40)[1:-1]}; {where} takes "
+                              f"{', '.join(names)}", f"{where}.{show(key, 40)[1:-1]}")
+
+
+_TOOL_HOLD_FIELD = re.compile(r"tool_hold\.(\w+(?:\[[^\]]*\])*)")
+
+
+def tool_hold_config(value: dict, where: str = "session.nvchat.tool_hold") -> ToolHold:
+    """``nvchat.tool_hold`` as a :class:`ToolHold`: some of its fields, the rest NVIDIA's stock; a bad
+    value is an ``invalid_value`` whose ``param`` names the field (``session.nvchat.tool_hold.timeout_s``,
+    ``...generic[0]``), an unknown key an ``unknown_parameter``."""
+    _known_keys(value, ToolHold, where)
+    try:
+        return ToolHold.from_mapping(value)
+    except (ValueError, TypeError) as e:
+        field = _TOOL_HOLD_FIELD.match(str(e))
+        raise ClientError("invalid_value", f"session.nvchat.{e}",
+                          f"{where}.{field.group(1)}" if field else where) from None
+
+
+def check_tool_hold(cfg: SessionConfig, session: dict) -> None:
+    """The phrases per tool (``tool_hold.on_hold``) name the session's tools, or ``"default"``: checked
+    against the tools in effect after the update, naming what the update changed."""
+    if cfg.tool_hold is None or not cfg.tools:
+        return
+    from ..tool_prompt import validate_tools
+
+    try:
+        cfg.tool_hold.check_tools(tool["name"] for tool in validate_tools(cfg.tools))
+    except ValueError as e:
+        param = "session.nvchat.tool_hold.on_hold" if "tool_hold" in session.get("nvchat", {}) else "session.tools"
+        raise ClientError("invalid_value", f"session.nvchat.{e}", param) from None
 
 
 NEVER = 2 ** 31 - 1  # frames: a policy rule that never acts
@@ -222,6 +263,9 @@ def _nvchat(cfg: SessionConfig, extension: Any, where: str) -> None:
         if key == "turn_taking":
             cfg.turn_taking = turn_taking_config(value, f"{where}.turn_taking")
             cfg.turn_taking_given = True
+            continue
+        if key == "tool_hold":
+            cfg.tool_hold = None if value is None else tool_hold_config(value, f"{where}.tool_hold")
             continue
         try:
             StreamingOptions.check(key, value)
@@ -310,6 +354,7 @@ def ga_update(config: SessionConfig, session: Any, *, tools_supported: bool) -> 
     for key, in_effect in (("output_modalities", ["audio"]), ("tool_choice", "auto")):
         if cfg.accepted.get(key, in_effect) == in_effect:
             cfg.accepted.pop(key, None)
+    check_tool_hold(cfg, session)
     if "audio.input.turn_detection" in cfg.accepted and not cfg.turn_taking_given:
         cfg.turn_taking = turn_detection_policy(cfg.accepted["audio.input.turn_detection"], cfg.base_turn_taking)
     return cfg

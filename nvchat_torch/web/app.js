@@ -4,6 +4,10 @@
 const RATE = 24000, CHUNK = 1920;  // 80 ms at 24 kHz: one model frame per append
 const $ = (id) => document.getElementById(id);
 let ws = null, ctx = null, mic = null, player = null, deltas = 0, line = null, userLine = null;
+// A phrase the TTS speaks during a tool call (nvchat.hold_speech): the transcript delta that follows it
+// is that phrase, shown marked.
+let holdSpeech = null;
+const HOLD = {ack: 'acknowledging a tool call', on_hold: 'while a tool runs', timeout: 'the tool timed out'};
 
 function toBase64(int16) {
   const bytes = new Uint8Array(int16.buffer);
@@ -90,9 +94,20 @@ function onEvent(event) {
       break;
     case 'conversation.item.input_audio_transcription.completed': userLine = null; break;
     case 'response.created': line = addLine('assistant'); setTurn('assistant'); break;
+    case 'nvchat.hold_speech': holdSpeech = event; break;
     case 'response.output_audio_transcript.delta':
       if (!line) line = addLine('assistant');
-      line.textContent += event.delta;
+      if (holdSpeech && holdSpeech.response_id === event.response_id) {
+        const span = document.createElement('span');
+        span.className = 'hold';
+        span.dataset.reason = holdSpeech.reason;
+        span.title = HOLD[holdSpeech.reason] || 'while a tool runs';
+        span.textContent = event.delta;
+        line.append(span);
+        holdSpeech = null;
+      } else {
+        line.append(event.delta);
+      }
       break;
     case 'response.output_audio.delta': {
       const samples = fromBase64(event.delta);
@@ -112,6 +127,7 @@ function onEvent(event) {
       $('frames').textContent = event.frames;
       $('backlog').textContent = event.backlog_ms;
       break;
+    case 'nvchat.notice': $('notices').textContent += `${event.code}: ${event.message}\n`; break;
     case 'error': $('errors').textContent += `${event.error.code}: ${event.error.message}\n`; break;
   }
 }
@@ -143,6 +159,11 @@ async function start() {
                        audio: {input: {format: {type: 'audio/pcm', rate: RATE}},
                                output: {format: {type: 'audio/pcm', rate: RATE}}}};
       if ($('instructions').value) session.instructions = $('instructions').value;
+      if ($('tools-json').value.trim()) {
+        try { session.tools = JSON.parse($('tools-json').value); } catch (err) {
+          $('errors').textContent += `the tools are not JSON: ${err}\n`;
+        }
+      }
       send({type: 'session.update', session});
       capture.port.onmessage = (e) => send({type: 'input_audio_buffer.append', audio: toBase64(pcm16(e.data))});
       $('stop').disabled = false;
