@@ -1,7 +1,7 @@
 """The compiled frame step against the eager ones, in one run (``python -m benchmarks.frame_loop --compile``):
 
 * composite eager: the plain torch code, what MPS and CUDA run eager;
-* fused eager: the same with the fused CPU kernels (:mod:`nvchat_torch.cpu_kernels`), CPU only;
+* fused eager: the same with the fused CPU kernels (:mod:`nvchat_torch.models.cpu_kernels`), CPU only;
 * compiled: the device step under ``torch.compile`` (inductor), one graph per frame.
 
 For each: ms per frame (the fastest of ``--rounds`` rounds), kernel launches per steady-state frame
@@ -10,7 +10,7 @@ launch is an outermost ATen op that is not a view or an allocation, a fused ``nv
 kernel inductor generated), and the process's resident memory after each. And the compile time a
 user waits: the first compiled frame in a fresh process with empty compiler caches (cold), then again
 in a second process that finds what the first left: the compiled step it kept
-(:mod:`nvchat_torch.compiled_step`), or with ``--no-store`` torch's on-disk caches alone.
+(:mod:`nvchat_torch.runtime.compiled_step`), or with ``--no-store`` torch's on-disk caches alone.
 
     python -m benchmarks.compiled_step                 # deep preset, 4-bit, cpu, 1 thread
     python -m benchmarks.compiled_step --compile-time  # cold and warm compile, two fresh processes
@@ -100,7 +100,7 @@ def compile_time(path: Path, args) -> dict:
     (``NVCHAT_TORCH_COMPILE_STORE=off``), it finds torch's on-disk caches alone (inductor's FX graph
     and AOTAutograd caches) and traces the step again. (Each setting needs its own empty caches: a
     graph compiled ahead is cached under other keys than one compiled on its first call.)"""
-    from nvchat_torch.compiled_step import STORE_ENV
+    from nvchat_torch.runtime.compiled_step import STORE_ENV
 
     cache = tempfile.mkdtemp(prefix="nvchat_inductor_")
     store = "off" if args.no_store else tempfile.mkdtemp(prefix="nvchat_store_")
@@ -130,7 +130,7 @@ def first_frame(path: str, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.frame_loop import generated_checkpoint, machine, test_signal
+    from benchmarks.common import generated_checkpoint, machine, test_signal
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.compiled_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

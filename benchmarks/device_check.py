@@ -53,8 +53,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import nvchat_torch as nv
-from benchmarks.frame_loop import full_random_model, generated_checkpoint, test_signal
+from benchmarks.common import generated_checkpoint, test_signal
 from benchmarks.device_report import last_line, markdown
+from benchmarks.frame_loop import full_random_model
 from benchmarks.prefill import language_seconds
 from nvchat_torch import doctor
 from nvchat_torch.diagnostics import OpCounter, count_host_reads, kernel_launches, model_bytes, synchronize

@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,31 +28,8 @@ import numpy as np
 import torch
 
 import nvchat_torch as nv
+from benchmarks.common import FRAME, PROMPT, generated_checkpoint, machine, test_signal
 from nvchat_torch.diagnostics import OpCounter, count_host_reads, model_bytes
-
-PROMPT = "you are a helpful assistant"
-FRAME = 1280
-
-
-def test_signal(seconds: float, seed: int = 1234) -> np.ndarray:
-    """Tone bursts, a chirp and a little noise at 16 kHz."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    x = 0.15 * np.sin(2 * np.pi * (200 * t + 1400 / seconds * t * t))
-    for i, f in enumerate((220.0, 440.0, 660.0, 880.0)):
-        x = x + 0.3 * np.sin(2 * np.pi * f * t) * ((t % 2.0 >= 0.45 * i) & (t % 2.0 < 0.45 * i + 0.35))
-    return (x + 0.01 * rng.standard_normal(t.shape)).astype(np.float32)
-
-
-def generated_checkpoint(preset: str, bits: int | None, seed: int = 0) -> Path:
-    """A random ``preset`` model saved as an mlx-community checkpoint (cached by its parameters)."""
-    from nvchat_torch.tiny import random_model, save_checkpoint
-
-    root = Path(os.environ.get("NVCHAT_BENCH_CACHE", Path(tempfile.gettempdir()) / "nvchat_torch_bench"))
-    folder = root / f"{preset}-{bits or 'float'}bit-seed{seed}-v{nv.__version__}"
-    if not (folder / "config.json").exists():
-        save_checkpoint(random_model(preset, seed), folder, bits=bits)
-    return folder
 
 
 def _sync(device: torch.device) -> None:
@@ -228,12 +202,6 @@ def stage_table(ours: dict, ref: dict | None) -> str:
             row += f"{r:>10.2f}{s['mean_ms'] / r if r else float('nan'):>7.2f}"
         lines.append(row)
     return "\n".join(lines)
-
-
-def machine() -> str:
-    threads = torch.get_num_threads()
-    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, torch {torch.__version__} "
-            f"({threads} threads, {torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}")
 
 
 def memory_report() -> str:

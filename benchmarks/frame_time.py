@@ -26,7 +26,7 @@ import sys, time, json
 import numpy as np, torch
 torch.set_num_threads({threads})
 import nvchat_torch as nv
-from benchmarks.frame_loop import generated_checkpoint, test_signal
+from benchmarks.common import generated_checkpoint, test_signal
 model = nv.load_model(generated_checkpoint("deep", 4), device="cpu")
 session = model.create_streaming_session(nv.StreamingOptions(system_prompt="you are a helpful assistant",
                                                              deterministic=True))

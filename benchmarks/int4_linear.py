@@ -14,8 +14,8 @@ import sys
 import torch
 from torch.utils import benchmark
 
-from nvchat_torch.config import QuantSpec
-from nvchat_torch.quant import Int4PackedLinear, QuantizedLinear, int4pack_available, quantize_affine
+from nvchat_torch.models.config import QuantSpec
+from nvchat_torch.models.quant import Int4PackedLinear, QuantizedLinear, int4pack_available, quantize_affine
 
 SHAPES = {  # (out, in) of the per-token LLM matmuls of NemotronLabs VoiceChat 11B
     "mamba in_proj": (22656, 4480),

@@ -1,4 +1,4 @@
-"""A check, run by hand: NeMo's own label functions and EAR-TTS loss against :mod:`nvchat_torch.training_labels`
+"""A check, run by hand: NeMo's own label functions and EAR-TTS loss against :mod:`nvchat_torch.training.labels`
 and :mod:`nvchat_torch.training` on random inputs.
 
     python -m benchmarks.nemo_labels --nemo /path/to/NeMo [--trials 3000]
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nvchat_torch import training_labels as tl
+from nvchat_torch.training import labels as tl
 
 P, B, E, START, END, RESULT_END = 0, 1, 2, 90, 91, 92
 
@@ -140,7 +140,7 @@ def check_tts_loss(root: Path, rng: random.Random, trials: int) -> None:
     import torch.nn.functional as F
 
     from nvchat_torch.tiny import random_model
-    from nvchat_torch.training import TTSLossConfig, TTSOutput, tts_loss
+    from nvchat_torch.training.objectives import TTSLossConfig, TTSOutput, tts_loss
 
     ear = nemo_functions(root / "modules/ear_tts_model.py", {"_compute_losses", "depthsum_embedding", "dist"},
                          {"F": F, "math": math, "Tensor": torch.Tensor, "fp32_precision": contextlib.nullcontext})
@@ -176,7 +176,7 @@ def check_tts_loss(root: Path, rng: random.Random, trials: int) -> None:
     me.config = _Cfg(max_training_rate=conf.max_training_rate, exponent=conf.exponent, num_quantizers=q,
                      codebook_size=cfg.codebook_size, random_target_masking=False,
                      quantizer_dropout=conf.quantizer_dropout)
-    from nvchat_torch.training import quantizer_masks
+    from nvchat_torch.training.objectives import quantizer_masks
     for seed in range(max(1, trials // 100)):
         codes = torch.randint(0, cfg.codebook_size, (3, 40, q), generator=g)
         torch.manual_seed(seed)

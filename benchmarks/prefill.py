@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 import nvchat_torch as nv
-from benchmarks.frame_loop import FRAME, generated_checkpoint, machine, test_signal
+from benchmarks.common import FRAME, generated_checkpoint, machine, test_signal
 from nvchat_torch.diagnostics import synchronize
-from nvchat_torch.language_heads import fused_input
-from nvchat_torch.layers import grown_capacity
-from nvchat_torch.prompt_cache import PromptCache
+from nvchat_torch.models.language_heads import fused_input
+from nvchat_torch.models.layers import grown_capacity
+from nvchat_torch.runtime.prompt_cache import PromptCache
 
 PLACES = ["a small bakery", "a bicycle repair shop", "a dental practice", "a city library", "a hotel front desk",
           "a hardware store", "a veterinary clinic", "a flower shop", "a bus company", "a swimming pool",
@@ -165,8 +165,8 @@ def full_pieces(chunks: list[int], positions: int, dtype: torch.dtype | None) ->
     the speaker warmup, and a prefill track's copy of its start (256 slots per layer)."""
     import dataclasses
 
+    from nvchat_torch.runtime.timeline import Timeline
     from nvchat_torch.tiny import random_model, random_packed_model
-    from nvchat_torch.timeline import Timeline
 
     config = nv.VoiceChatConfig.full_size()
     config = dataclasses.replace(config, text_config=dataclasses.replace(

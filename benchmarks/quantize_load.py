@@ -43,7 +43,7 @@ FULL_RELEASE_BYTES = 44.4e9  # NVIDIA's model.safetensors
 def scaled_config(scale: int, llm_only: bool = False) -> dict:
     """The 11B flat config with the depths and the LLM vocabulary divided by ``scale`` (``llm_only``: only
     the LLM's depth; the vocabulary, the speech encoder and the TTS keep their full size)."""
-    from nvchat_torch.config import VoiceChatConfig
+    from nvchat_torch.models.config import VoiceChatConfig
 
     flat = VoiceChatConfig.full_size().to_dict()
     if scale > 1:
@@ -61,8 +61,8 @@ def scaled_config(scale: int, llm_only: bool = False) -> dict:
 
 def full_model_bytes(bits: int) -> int:
     """The 11B model as this load returns it: ``full_size_bytes`` with float32 scales and biases (the cards')."""
-    from nvchat_torch.config import VoiceChatConfig
     from nvchat_torch.model import build_model, full_size_bytes, mlx_community_specs
+    from nvchat_torch.models.config import VoiceChatConfig
 
     model = build_model(VoiceChatConfig.full_size())
     specs = mlx_community_specs(model, bits)
@@ -75,9 +75,9 @@ def write_release(folder: Path, scale: int, seed: int, llm_only: bool = False) -
     import torch
 
     from nvchat_torch.convert import write_safetensors
+    from nvchat_torch.loading.nvidia_release import release_config
     from nvchat_torch.model import build_model
-    from nvchat_torch.config import VoiceChatConfig
-    from nvchat_torch.nvidia_release import release_config
+    from nvchat_torch.models.config import VoiceChatConfig
     from nvchat_torch.tiny import write_tokenizer
 
     flat = scaled_config(scale, llm_only)

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import base64
+import contextlib
 import json
 import os
 import platform
@@ -53,7 +53,7 @@ import torch
 import websockets
 
 import nvchat_torch as nv
-from benchmarks.frame_loop import FRAME, generated_checkpoint, test_signal
+from benchmarks.common import FRAME, generated_checkpoint, test_signal
 from nvchat_torch.server.app import create_app
 from nvchat_torch.server.background import serve_in_thread
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import nvchat_torch as nv
-from benchmarks.frame_loop import PROMPT, generated_checkpoint
+from benchmarks.common import PROMPT, generated_checkpoint
 
 FRAME = 1280
 SR = 16000

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import nvchat_torch as nv
-from benchmarks.frame_loop import FRAME, generated_checkpoint, machine, test_signal
+from benchmarks.common import FRAME, generated_checkpoint, machine, test_signal
 from nvchat_torch.tool_hold import tool_response_text
 
 TOOLS = [{"type": "function", "name": "lookup", "description": "Look something up",

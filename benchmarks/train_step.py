@@ -31,10 +31,10 @@ def peak_mb(device: torch.device) -> float:
 
 
 def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict:
-    from nvchat_torch import adapters
-    from nvchat_torch.finetune import set_trainable, train_step
     from nvchat_torch.tiny import random_model
-    from nvchat_torch.training_labels import Example
+    from nvchat_torch.training import adapters
+    from nvchat_torch.training.finetune import set_trainable, train_step
+    from nvchat_torch.training.labels import Example
 
     model = random_model("deep", seed=0, bits=4 if name == "qlora-4bit" else None).to(device)
     model.init_constants(device)
@@ -77,9 +77,9 @@ def llm_activations(positions: int) -> dict[str, float]:
     """Bytes per position that autograd keeps for the backward of one full-size Nemotron-H block of each kind
     (float32, input gradients only, as LoRA needs; the weights themselves not counted), measured with
     saved-tensor hooks over ``positions`` positions: the full-size model's share, without building it."""
-    from nvchat_torch.nemotron_h import NemotronHModel
-    from nvchat_torch.network_config import TextConfig
-    from nvchat_torch.nvidia_release import FULL_SIZE_TEXT_CONFIG
+    from nvchat_torch.loading.nvidia_release import FULL_SIZE_TEXT_CONFIG
+    from nvchat_torch.models.nemotron_h import NemotronHModel
+    from nvchat_torch.models.network_config import TextConfig
 
     per: dict[str, float] = {}
     for block in "M*-":

@@ -6,11 +6,11 @@
     events = session.push_audio(samples, 16000) + session.flush()
 """
 
-from .checkpoint import BadWeightsWarning, CheckpointError, load_checkpoint
-from .config import ConfigError, VoiceChatConfig
 from .engine import BatchEngine, EngineSession
 from .events import ContextLimit, StreamingOptions, VoiceChatEvent, VoiceChatProfile, VoiceChatResult
+from .loading.checkpoint import BadWeightsWarning, CheckpointError, load_checkpoint
 from .model import VoiceChatModel, load_model
+from .models.config import ConfigError, VoiceChatConfig
 from .session import StreamingSession
 from .tiny import load_tiny_model
 from .tool_hold import ToolHold

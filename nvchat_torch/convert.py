@@ -30,9 +30,9 @@ from typing import Callable, Iterable, TextIO
 
 import torch
 
-from .checkpoint import CheckpointError, resolve_checkpoint
+from .loading.checkpoint import CheckpointError, resolve_checkpoint
+from .loading.nvidia_release import ReleaseCheckpoint, base_config, is_release_folder, resolve_tokenizer
 from .model import build_model, mlx_community_specs
-from .nvidia_release import ReleaseCheckpoint, base_config, is_release_folder, resolve_tokenizer
 
 __all__ = ["convert", "write_safetensors", "main"]
 

@@ -32,14 +32,22 @@ from typing import Any
 
 import torch
 
-from . import __version__, cpu_kernels
-from .diagnostics import (CpuFallbackRecorder, CpuFallbackWarning, OpCounter, count_host_reads, device_memory,
-                          model_bytes, synchronize)
+from . import __version__
+from .diagnostics import (
+    CpuFallbackRecorder,
+    CpuFallbackWarning,
+    OpCounter,
+    count_host_reads,
+    device_memory,
+    model_bytes,
+    synchronize,
+)
 from .events import StreamingOptions
-from .int4pack import INT4_DEVICE_TYPES, int4_kernel
-from .layers import fused_cpu_paths
+from .models import cpu_kernels
+from .models.int4pack import INT4_DEVICE_TYPES, int4_kernel
+from .models.layers import fused_cpu_paths
+from .models.quant import QuantizedLinear, self_test_kernel
 from .op_audit import Audit, OpRecorder, tone
-from .quant import QuantizedLinear, self_test_kernel
 
 __all__ = ["main", "report", "deep_checkpoint"]
 

@@ -5,7 +5,7 @@
 complete frame pending, through log-mel, Conformer, RNNT, LLM, TTS and codec at once, and returns
 ``{handle: events}``; ``h.flush()`` / ``h.cancel()`` end a session.
 
-Each session occupies a slot: one row of the engine's :class:`~nvchat_torch.frame_step.FrameStep`,
+Each session occupies a slot: one row of the engine's :class:`~nvchat_torch.runtime.frame_step.FrameStep`,
 the frame path a :class:`StreamingSession` runs alone with one row, so a row computes what its
 session alone computes. A session is opened by a :class:`StreamingSession` at batch 1 (its system
 prompt prefilled exactly as alone), whose caches then move into the slot; its host side
@@ -23,10 +23,10 @@ import numpy as np
 
 from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
-from .frame_step import FrameStep
-from .prompt_cache import PromptCache
+from .runtime.frame_step import FrameStep
+from .runtime.prompt_cache import PromptCache
+from .runtime.step_plan import StepPlan, off_clock_steps
 from .session import AudioInput, StreamingSession
-from .step_plan import StepPlan, off_clock_steps
 from .turn_taking import TurnTakingConfig
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@
 
 * ``stt_model`` (:class:`DuplexSTTModel`): ``embed_tokens``, ``llm`` (Nemotron-H), ``lm_head``,
   ``function_head``, ``perception`` (log-mel + FastConformer + ``proj``), ``rnnt_decoder``, ``rnnt_joint``;
-* ``tts_model`` (:class:`~nvchat_torch.tts.SpeechDecoder`): EAR-TTS, the codec, the speaker prompt,
+* ``tts_model`` (:class:`~nvchat_torch.models.tts.SpeechDecoder`): EAR-TTS, the codec, the speaker prompt,
   silence and control codes.
 
 :func:`load_model` builds the tree on the ``meta`` device (no memory), swaps in packed modules for
@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import builtins  # the annotations inside VoiceChatModel, whose float() method hides the type
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, config_field, resolve_checkpoint
-from .config import QuantSpec, VoiceChatConfig
 from .diagnostics import device_memory, model_bytes
 from .events import StreamingOptions, VoiceChatResult
+from .loading.checkpoint import Checkpoint, CheckpointError, config_field, resolve_checkpoint
+from .loading.nvidia_release import ReleaseCheckpoint, base_config, is_release_folder, resolve_tokenizer
+from .models.config import QuantSpec, VoiceChatConfig
+from .models.quant import QuantizedEmbedding, QuantizedLinear, quantize_modules
 from .networks import DuplexSTTModel, VoiceChatNetworks
-from .nvidia_release import ReleaseCheckpoint, base_config, is_release_folder, resolve_tokenizer
-from .quant import QuantizedEmbedding, QuantizedLinear, quantize_modules
 
 if TYPE_CHECKING:
     from .engine import BatchEngine

@@ -12,20 +12,20 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from . import cpu_kernels
-from .checkpoint import cast
-from .compiled_step import StepCompiler
-from .config import VoiceChatConfig
-from .perception import Perception
 from .diagnostics import model_bytes, return_freed_memory
-from .int4pack import Int4Kernel
-from .layers import FusedOnCpu, Linear, fused_cpu_paths, swap_modules
-from .language_heads import fuse_heads
-from .nemotron_h import NemotronHModel
-from .quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4
-from .rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
-from .speech_track import SpeechTracks
-from .tts import SpeechDecoder, TTSPrompt
+from .loading.checkpoint import cast
+from .models import cpu_kernels
+from .models.config import VoiceChatConfig
+from .models.int4pack import Int4Kernel
+from .models.language_heads import fuse_heads
+from .models.layers import FusedOnCpu, Linear, fused_cpu_paths, swap_modules
+from .models.nemotron_h import NemotronHModel
+from .models.perception import Perception
+from .models.quant import Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, pack_int4
+from .models.rnnt import FusedRnntDecoder, RnntDecoder, RnntJoint, RnntTranscriber
+from .models.tts import SpeechDecoder, TTSPrompt
+from .runtime.compiled_step import StepCompiler
+from .runtime.speech_track import SpeechTracks
 
 __all__ = ["DuplexSTTModel", "VoiceChatNetworks", "recast_error"]
 
@@ -109,10 +109,10 @@ class VoiceChatNetworks(nn.Module):
         fused QKV / gate-up / MoG head projections, both vocabulary heads as one matmul (which replaces
         them: no second copy), stacked codebooks, the RNNT gate table, and 4-bit packed linears on
         torch's int4pack kernel where the device has one that passes its self-test (computing in the
-        activation dtype: see :func:`~nvchat_torch.quant.pack_int4`). ``kernel``: the int4pack layout and
-        op to pack for (default: the device's, :func:`~nvchat_torch.int4pack.int4_kernel`; its stand-in runs
+        activation dtype: see :func:`~nvchat_torch.models.quant.pack_int4`). ``kernel``: the int4pack layout and
+        op to pack for (default: the device's, :func:`~nvchat_torch.models.int4pack.int4_kernel`; its stand-in runs
         the MPS or CUDA branch on a CPU). ``fused_cpu`` (default: on a CPU in float32): the streaming step's
-        fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`; built on first use, and skipped, with the
+        fused CPU kernels (:mod:`~nvchat_torch.models.cpu_kernels`; built on first use, and skipped, with the
         reason in :meth:`describe`, where they can't be built or fail their self-test)."""
         return_freed_memory()  # what the load freed: the transforms below then start from what is held
         self.stt_model.perception.fuse()
@@ -142,7 +142,7 @@ class VoiceChatNetworks(nn.Module):
 
     def compile_step(self, backend: str | Callable[..., Any] = "inductor", mode: str | None = None) -> Self:
         """Run every frame step of this model's sessions and engines (those made from now on) under
-        ``torch.compile`` whole, one graph per frame (:mod:`~nvchat_torch.compiled_step`). ``backend``:
+        ``torch.compile`` whole, one graph per frame (:mod:`~nvchat_torch.runtime.compiled_step`). ``backend``:
         "inductor" (generated kernels: C++ on a CPU, Triton on CUDA, Metal on MPS), or "aot_eager" /
         "eager" (traced only: what the graph-count tests use). ``mode``: default ``"reduce-overhead"``
         (CUDA graphs) on CUDA. The fused CPU kernels are switched off: the compiler fuses the composite
@@ -203,7 +203,7 @@ class VoiceChatNetworks(nn.Module):
         self.tts_model.tts_model.set_vocabulary(tokenizer.get_vocab())
 
     def vocabulary_heads(self) -> tuple[nn.Module, nn.Module | None]:
-        """What :func:`~nvchat_torch.language_heads.language_heads` takes: the fused heads once
+        """What :func:`~nvchat_torch.models.language_heads.language_heads` takes: the fused heads once
         :meth:`prepare` made them (and the second None), else the text and function heads."""
         if self.fused_heads is not None:
             return self.fused_heads, None
@@ -230,7 +230,7 @@ class VoiceChatNetworks(nn.Module):
         return self._silence
 
     def speech_tracks(self) -> SpeechTracks:
-        """The TTS prefill tracks this model's sessions share (:mod:`~nvchat_torch.speech_track`), made on
+        """The TTS prefill tracks this model's sessions share (:mod:`~nvchat_torch.runtime.speech_track`), made on
         first use; ``speech_tracks().max_bytes`` bounds them (0: none kept, each session runs its own steps)."""
         if self._speech_tracks is None:
             with _MAKING_TRACKS:

@@ -63,8 +63,8 @@ NETWORKS = (
 GEMMA_NORMS = "Gemma norms"
 # Functions docs/parity.md names as a network's formula, called from wherever it is needed (prepare's
 # precomputed codebook norms, the frame loop's LLM input): they name the network before any module does.
-FUNCTION_NETWORKS = (("nvchat_torch.layers", "squared_norms", "RVQ nearest neighbour"),
-                     ("nvchat_torch.language_heads", "fused_input", "LLM input"))
+FUNCTION_NETWORKS = (("nvchat_torch.models.layers", "squared_norms", "RVQ nearest neighbour"),
+                     ("nvchat_torch.models.language_heads", "fused_input", "LLM input"))
 OUTSIDE = "outside every network"  # the frame loop's own ops, or a recorder told no model
 # Per layout, the networks docs/parity.md has the reference compute (partly) in bf16 in the faithful
 # mode. On the cards (float32 LLM scales, every other weight bf16) these are the ops whose operands are
@@ -101,7 +101,7 @@ def rounds_to_bf16(func: torch._ops.OpOverload, inputs: set[torch.dtype], output
 
 def network_of(path: str, module: torch.nn.Module) -> str:
     """The docs/parity.md network of the module at ``path`` in the model (see :data:`NETWORKS`)."""
-    from .layers import OffsetRMSNorm
+    from .models.layers import OffsetRMSNorm
 
     if isinstance(module, OffsetRMSNorm) and not module.fp32:
         return GEMMA_NORMS
@@ -236,7 +236,7 @@ class OpRecorder(TorchDispatchMode):
         return named
 
 
-# The CPU's own build of an op whose MPS branch (chosen by device, see nvchat_torch.int4pack) runs another.
+# The CPU's own build of an op whose MPS branch (chosen by device, see nvchat_torch.models.int4pack) runs another.
 DEVICE_TWINS = {"aten::_weight_int4pack_mm_for_cpu": "aten::_weight_int4pack_mm",
                 "aten::_convert_weight_to_int4pack_for_cpu": "aten::_convert_weight_to_int4pack"}
 
@@ -369,7 +369,7 @@ def _scenarios(path: Path, dtype: torch.dtype | None, recorder: OpRecorder,
     def load_for_mps() -> None:
         # The MPS branch of packing and of the packed matmul, with the MPS kernel's stand-in recorded as
         # the two ops MPS runs (the stand-in's own ops run on no Apple GPU).
-        from .int4pack import int4_kernel
+        from .models.int4pack import int4_kernel
 
         stand_in = int4_kernel("mps", stand_in=True)
         assert stand_in is not None

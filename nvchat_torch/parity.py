@@ -87,7 +87,7 @@ def run_ours(model_path: str, wave: np.ndarray, prompt: str | None, seed: int, d
     import torch
 
     import nvchat_torch as nv
-    from nvchat_torch.language_heads import language_heads
+    from nvchat_torch.models.language_heads import language_heads
 
     model = nv.load_model(model_path, device=device,
                           dtype=None if dtype in (None, "faithful") else getattr(torch, dtype))
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     wave, notes = prepare_input(args.audio, 16000)
     for note in notes:
         print(f"input: {note}", file=sys.stderr)
-    from .checkpoint import Checkpoint, resolve_checkpoint
+    from .loading.checkpoint import Checkpoint, resolve_checkpoint
 
     with Checkpoint(resolve_checkpoint(args.model)) as ckpt:
         print(f"checkpoint layout: {ckpt.layout()}")

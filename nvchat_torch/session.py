@@ -1,8 +1,8 @@
 """The streaming session and the offline turn.
 
 A :class:`StreamingSession` is one conversation: its system prompt's prefill (a
-:class:`~nvchat_torch.timeline.Timeline` at batch 1), then each 1280-sample frame as the one row of
-a :class:`~nvchat_torch.frame_step.FrameStep` (streaming log-mel -> one FastConformer frame ->
+:class:`~nvchat_torch.runtime.timeline.Timeline` at batch 1), then each 1280-sample frame as the one row of
+a :class:`~nvchat_torch.runtime.frame_step.FrameStep` (streaming log-mel -> one FastConformer frame ->
 projection; RNNT step; fused LLM input -> greedy text and function ids; EAR-TTS step -> 31 codes;
 codec step -> 1764 samples), the same frame path the batched engine's rows take; and its host side:
 the detokenizers, the tool channel, the limits and the events. A frame costs one host read (plus one
@@ -29,12 +29,12 @@ from .events import (
     VoiceChatProfile,
     VoiceChatResult,
 )
-from .frame_layout import PackedLayout
-from .frame_step import FrameInput, FrameStep
-from .prompt_cache import PromptCache
-from .rnnt import TranscriptText
-from .step_plan import PLAIN, StepPlan, off_clock_steps
-from .timeline import Timeline
+from .models.rnnt import TranscriptText
+from .runtime.frame_layout import PackedLayout
+from .runtime.frame_step import FrameInput, FrameStep
+from .runtime.prompt_cache import PromptCache
+from .runtime.step_plan import PLAIN, StepPlan, off_clock_steps
+from .runtime.timeline import Timeline
 from .tool_pipeline import ToolPipeline
 from .tools import ToolChannel, render_system_prompt
 from .turn_taking import TurnTakingConfig, reasons_of
@@ -63,7 +63,7 @@ class StreamingSession:
         ``own_frames=False``: the frames run as a row of someone else's FrameStep (the batched engine's),
         which takes the prefilled timeline; this session is then its host side only. ``prompt_cache``: a
         prompt prefilled before (same ids, seed, mode, dtype) is copied from it instead, and a new one is
-        kept in it (:class:`~nvchat_torch.prompt_cache.PromptCache`)."""
+        kept in it (:class:`~nvchat_torch.runtime.prompt_cache.PromptCache`)."""
         self.model = model
         self.options = options
         cfg = self.config = model.config

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import FULL_SIZE_TEXT_CONFIG
+from .models.config import FULL_SIZE_TEXT_CONFIG
 
 __all__ = ["SPECIAL_TOKENS", "special_tokens", "WORDS", "RNNT_VOCABULARY", "tiny_config_dict", "build_tokenizer",
            "write_tokenizer", "random_model", "random_packed_model", "pack_affine", "load_tiny_model", "save_checkpoint"]
@@ -235,8 +235,8 @@ def random_model(preset: str = "tiny", seed: int = 0, device: torch.device | str
     mlx-community cards, as :func:`~nvchat_torch.load_model` returns it unprepared (see
     :func:`random_packed_model`): 4-bit "full" peaks near its packed size of about 9 GB.
     """
-    from .config import VoiceChatConfig
     from .model import VoiceChatModel
+    from .models.config import VoiceChatConfig
 
     if preset == "full":
         config = VoiceChatConfig.full_size()
@@ -271,7 +271,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def pack_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quant.quantize_affine``'s encoding (same codes, scales and biases), packing whole bytes for
     2, 4 and 8 bits instead of a bit stream: ~7x faster, which matters for 9.5 B weights."""
-    from .quant import affine_codes, quantize_affine
+    from .models.quant import affine_codes, quantize_affine
 
     *lead, n_in = w.shape
     if 8 % bits or n_in % group_size or (n_in * bits) % 32:
@@ -300,7 +300,7 @@ def _assign_unit(model, prefix: str, twin: torch.nn.Module, specs: dict, seed: i
     its buffers and initial values are real), then move its tensors into the meta ``model`` in
     checkpoint layout: the ``specs`` modules packed with float32 scales, other floats in ``stored``
     (A_log float32). Each float32 tensor is dropped as soon as it is converted."""
-    from .checkpoint import KEEP_FLOAT32
+    from .loading.checkpoint import KEEP_FLOAT32
 
     embeddings = {name for name, m in twin.named_modules() if isinstance(m, torch.nn.Embedding)}
     for name, p in twin.named_parameters():
@@ -331,7 +331,7 @@ def _assign_unit(model, prefix: str, twin: torch.nn.Module, specs: dict, seed: i
 @torch.no_grad()
 def _assign_packed_matrix(model, path: str, spec, seed: int, device: torch.device) -> None:
     """A packed vocabulary matrix, made PACK_ELEMENTS random values at a time (never whole in float32)."""
-    from .quant import QuantizedEmbedding
+    from .models.quant import QuantizedEmbedding
 
     module = model.get_submodule(path)
     if isinstance(module, QuantizedEmbedding):
@@ -361,12 +361,12 @@ def random_packed_model(config, bits: int = 4, group_size: int = 64, seed: int =
     tree. No more than one module is ever in float32 (the TTS, about 4 GB for the 11B shapes, before
     anything else exists), so the 11B model peaks near its packed size.
     """
-    from .perception import Perception
     from .model import build_model, mlx_community_specs
-    from .nemotron_h import NemotronHBlock, RMSNorm
-    from .quant import QuantizedEmbedding
-    from .rnnt import RnntDecoder, RnntJoint
-    from .tts import SpeechDecoder
+    from .models.nemotron_h import NemotronHBlock, RMSNorm
+    from .models.perception import Perception
+    from .models.quant import QuantizedEmbedding
+    from .models.rnnt import RnntDecoder, RnntJoint
+    from .models.tts import SpeechDecoder
 
     device = torch.device(device)
     specs = mlx_community_specs(build_model(config), bits, group_size)
@@ -438,7 +438,7 @@ def save_checkpoint(model, folder: str | Path, bits: int | None = None, group_si
     from safetensors.torch import save_file
 
     from .model import mlx_community_specs
-    from .quant import quantize_affine
+    from .models.quant import quantize_affine
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from collections import deque
 from typing import Any
 
 from .events import VoiceChatEvent
-from .step_plan import StepPlan
+from .runtime.step_plan import StepPlan
 from .tool_hold import ToolHold, layout_phrase, spell_tool_response_numbers
 from .tools import ToolChannel
 

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .layers import linear
+from .models.layers import linear
 
 if TYPE_CHECKING:
-    from .rnnt import RnntState, RnntTranscriber
+    from .models.rnnt import RnntState, RnntTranscriber
 
 __all__ = ["TurnTakingConfig", "TurnTaking", "REASONS", "reasons_of", "punctuation_ids"]
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from mlx_oracle import Reference, TinySpec, build_tiny_checkpoint
 
 # Tiny models are dominated by per-op overhead, which extra threads only add to (and the CI box has 2 cores).
@@ -23,9 +22,9 @@ _SKIPPED: list[str] = []
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_store(tmp_path_factory):
-    """The compiled frame steps the tests store (nvchat_torch.compiled_step.default_store) go to a
+    """The compiled frame steps the tests store (nvchat_torch.runtime.compiled_step.default_store) go to a
     folder of this run's, not the user's cache."""
-    from nvchat_torch.compiled_step import STORE_ENV
+    from nvchat_torch.runtime.compiled_step import STORE_ENV
 
     before = os.environ.get(STORE_ENV)
     os.environ[STORE_ENV] = str(tmp_path_factory.mktemp("compiled"))
@@ -82,7 +81,7 @@ def ckpt_q4(make_checkpoint) -> Path:
 def pytest_sessionstart(session):
     # Build (or load) the fused CPU kernels once, before any test: a first build takes ~20 s, which a
     # subprocess test with its own timeout (the CLI, the server) should not have to wait out.
-    from nvchat_torch import cpu_kernels
+    from nvchat_torch.models import cpu_kernels
 
     cpu_kernels.status()
 

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from nvchat_torch.config import FULL_SIZE_TEXT_CONFIG as REAL_TEXT_CONFIG
+from nvchat_torch.models.config import FULL_SIZE_TEXT_CONFIG as REAL_TEXT_CONFIG
 from nvchat_torch.tiny import RNNT_VOCABULARY as RNNT_VOCAB
 from nvchat_torch.tiny import special_tokens, tiny_config_dict, write_tokenizer
 

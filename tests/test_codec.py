@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
+from mlx_oracle import full_size_manifest, to_np
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mlx_oracle import full_size_manifest, to_np
-from nvchat_torch.checkpoint import Checkpoint
-from nvchat_torch.codec import Codec, ResidualVectorQuantizer, StackedCodebooks
-from nvchat_torch.config import VoiceChatConfig
+from nvchat_torch.loading.checkpoint import Checkpoint
+from nvchat_torch.models.codec import Codec, ResidualVectorQuantizer, StackedCodebooks
+from nvchat_torch.models.config import VoiceChatConfig
 
 PREFIX = "tts_model.audio_codec."
 SAMPLES = 1764  # per codec frame

@@ -15,17 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch.compiled_step import batch_bucket
-from nvchat_torch.diagnostics import count_host_reads, kernel_launches
-from nvchat_torch.doctor import CompositePath
 from test_engine import Plan, assert_same_events, run_alone, run_engine
 from test_layouts import LAYOUTS
 from test_off_clock import assert_schedule_matches, assert_tts_alone_matches
 from test_off_clock import run_reference as run_off_clock_reference
 from test_session import PROMPT, run_reference_stream, run_stream
+
+import nvchat_torch as nv
+from nvchat_torch.diagnostics import count_host_reads, kernel_launches
+from nvchat_torch.doctor import CompositePath
+from nvchat_torch.runtime.compiled_step import batch_bucket
 
 FRAME = 1280
 
@@ -217,7 +217,7 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
     """Where compiled graphs are kept (``NVCHAT_TORCH_COMPILE_STORE``, else the user's cache), that only
     inductor without CUDA graphs keeps them, and that a stored file that cannot be loaded is reported
     and compiled again (not raised, not run)."""
-    from nvchat_torch.compiled_step import STORE_ENV, CompiledStep, StepCompiler, default_store
+    from nvchat_torch.runtime.compiled_step import STORE_ENV, CompiledStep, StepCompiler, default_store
 
     monkeypatch.setenv(STORE_ENV, "off")
     assert default_store() is None and "not kept (no store)" in StepCompiler(torch.device("cpu")).describe()
@@ -259,7 +259,7 @@ def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, 
     graph to this process, which says why and compiles the model's next graphs itself; a child whose
     aot_compile fails is the failure it is here (torch.compile's own path follows). A child that
     succeeds runs in the inductor parity test above."""
-    from nvchat_torch.compiled_step import CompiledStep, StepCompiler, _CannotStore
+    from nvchat_torch.runtime.compiled_step import CompiledStep, StepCompiler, _CannotStore
 
     parent = os.getpid()
 
@@ -314,7 +314,7 @@ def test_a_weight_read_twice_is_not_held_upcast_between_its_reads():
     result equals eager's bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
-    from nvchat_torch import layers
+    from nvchat_torch.models import layers
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(512, 256, generator=gen).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (nvchat_torch/cpu_kernels.cpp): built, self-tested, equal to the composite
+"""The fused CPU kernels (nvchat_torch/models/cpu_kernels.cpp): built, self-tested, equal to the composite
 code they replace on every output a session gives, and a model without them still runs."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from mlx_oracle import synth_audio
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio
-from nvchat_torch import cpu_kernels
 from nvchat_torch.diagnostics import OpCounter
+from nvchat_torch.models import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "you are a helpful assistant"

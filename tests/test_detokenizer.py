@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nvchat_torch.events import TokenAccumulator
-from nvchat_torch.rnnt import TranscriptText, decode_pieces
+from nvchat_torch.models.rnnt import TranscriptText, decode_pieces
 from nvchat_torch.tiny import _hf_tokenizer
 
 SESSION_SKIP = {1, 2, 11, 12}  # the tiny config's BOS, EOS, silence and PAD (session.py's skip set)

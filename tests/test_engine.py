@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-
-import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch import ContextLimit, StreamingOptions
-from nvchat_torch.diagnostics import OpCounter, count_host_reads
-from nvchat_torch.timeline import Timeline
 from test_layouts import LAYOUTS, MIN_SNR_DB, snr_db
 from test_session import PROMPT, TEXT_CHANNELS, channel, run_reference_stream
+
+import nvchat_torch as nv
+from nvchat_torch import ContextLimit, StreamingOptions
+from nvchat_torch.diagnostics import OpCounter, count_host_reads
+from nvchat_torch.runtime.timeline import Timeline
 
 FRAME = 1280
 

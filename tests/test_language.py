@@ -6,21 +6,20 @@ checkpoints (float32, 8-bit, 4-bit), stepped with its own caches.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx_oracle import Reference, full_size_manifest, to_np
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mlx.core as mx
-
-from mlx_oracle import Reference, full_size_manifest, to_np
-from nvchat_torch.checkpoint import Checkpoint, cast
-from nvchat_torch.config import QuantSpec, TextConfig, VoiceChatConfig
-from nvchat_torch.language_heads import fuse_heads, fused_input, language_heads
-from nvchat_torch.layers import KV_BLOCK
-from nvchat_torch.nemotron_h import KVCache, LanguageRows, MambaCache, NemotronHAttention, NemotronHModel
-from nvchat_torch.quant import quantize_modules
+from nvchat_torch.loading.checkpoint import Checkpoint, cast
+from nvchat_torch.models.config import QuantSpec, TextConfig, VoiceChatConfig
+from nvchat_torch.models.language_heads import fuse_heads, fused_input, language_heads
+from nvchat_torch.models.layers import KV_BLOCK
+from nvchat_torch.models.nemotron_h import KVCache, LanguageRows, MambaCache, NemotronHAttention, NemotronHModel
+from nvchat_torch.models.quant import quantize_modules
 
 LANGUAGE = ("stt_model.embed_tokens", "stt_model.llm.", "stt_model.lm_head", "stt_model.function_head")
 # (checkpoint fixture, packed): a float checkpoint has nothing to keep packed.

@@ -1,4 +1,4 @@
-"""nvchat_torch.layers against MLX's own kernels: the bf16 arithmetic the faithful mode relies on.
+"""nvchat_torch.models.layers against MLX's own kernels: the bf16 arithmetic the faithful mode relies on.
 
 Every finite bf16 value in a useful range goes through each elementwise op; the matmuls and convs
 use random bf16 operands. MLX is the reference: these are the ops it runs where it computes in bf16.
@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
+import mlx.nn as mnn
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-import mlx.core as mx
-import mlx.nn as mnn
-
 from mlx_oracle import to_np
-from nvchat_torch import layers
+
+from nvchat_torch.models import layers
 
 BF16 = torch.bfloat16
 

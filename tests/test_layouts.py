@@ -8,16 +8,15 @@ mode reproduces that, so its discrete outputs equal the reference's, frame by fr
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
-import mlx.core as mx
+from mlx_oracle import synth_audio, to_np
+from test_session import PROMPT, assert_same_offline, run_reference_stream, run_stream
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio, to_np
-from nvchat_torch.checkpoint import Checkpoint
-from test_session import PROMPT, assert_same_offline, run_reference_stream, run_stream
+from nvchat_torch.loading.checkpoint import Checkpoint
 
 LAYOUTS = {
     "q4-f32-scales": dict(bits=4, dtype="bfloat16", scales_dtype="float32"),

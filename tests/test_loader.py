@@ -6,15 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
-import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from nvchat_torch import CheckpointError, ConfigError, VoiceChatConfig, load_checkpoint
-from nvchat_torch.checkpoint import Checkpoint, resolve_checkpoint
+from nvchat_torch.loading.checkpoint import Checkpoint, resolve_checkpoint
 
 
 def mlx_params(path: Path) -> dict[str, mx.array]:

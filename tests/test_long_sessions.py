@@ -8,16 +8,16 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-import nvchat_torch as nv
-import nvchat_torch.timeline as timeline_module
 from mlx_oracle import synth_audio
 from test_session import as_reference_shows
-from nvchat_torch.config import VoiceChatConfig
+
+import nvchat_torch as nv
+import nvchat_torch.runtime.timeline as timeline_module
 from nvchat_torch.diagnostics import OpCounter
 from nvchat_torch.events import TokenAccumulator
 from nvchat_torch.model import VoiceChatModel
-from nvchat_torch.rnnt import TranscriptText, decode_pieces
+from nvchat_torch.models.config import VoiceChatConfig
+from nvchat_torch.models.rnnt import TranscriptText, decode_pieces
 from nvchat_torch.tiny import _hf_tokenizer, randomize_, tiny_config_dict
 
 PROMPT = "you are a helpful assistant"
@@ -333,7 +333,7 @@ def test_codec_decode_in_pieces_equals_one_pass(tiny):
 
 
 def test_offline_log_mel_in_pieces_equals_one_pass(tiny, monkeypatch):
-    import nvchat_torch.mel as mel
+    import nvchat_torch.models.mel as mel
 
     log_mel = tiny.stt_model.perception.log_mel
     wave = torch.from_numpy(np.concatenate([synth_audio(8.0, seed=s) for s in range(3)]))

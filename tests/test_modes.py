@@ -7,12 +7,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from mlx_oracle import synth_audio
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio
-from nvchat_torch import quant
 from nvchat_torch.diagnostics import model_bytes
-from nvchat_torch.quant import Int4PackedLinear, QuantizedLinear
+from nvchat_torch.models import quant
+from nvchat_torch.models.quant import Int4PackedLinear, QuantizedLinear
 
 
 def stream_codes(model, seconds: float = 0.5) -> np.ndarray:

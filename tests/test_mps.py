@@ -13,17 +13,32 @@ import mlx.nn as mnn
 import numpy as np
 import pytest
 import torch
+from mlx_oracle import synth_audio
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio
-from nvchat_torch import diagnostics, model as model_module
-from nvchat_torch.checkpoint import Checkpoint
-from nvchat_torch.config import QuantSpec
-from nvchat_torch.int4pack import (cuda_convert_weight_to_int4pack, cuda_weight_int4pack_mm, int4_kernel,
-                                   mps_convert_weight_to_int4pack, mps_weight_int4pack_mm, unpack_int4pack)
-from nvchat_torch.op_audit import (LAYOUTS, Audit, NativeFunctions, OpRecorder, audit, document, markdown_table,
-                                   read_between_markers)
-from nvchat_torch.quant import Int4PackedLinear, QuantizedLinear, pack_int4, self_test_kernel, unpack_codes
+from nvchat_torch import diagnostics
+from nvchat_torch import model as model_module
+from nvchat_torch.loading.checkpoint import Checkpoint
+from nvchat_torch.models.config import QuantSpec
+from nvchat_torch.models.int4pack import (
+    cuda_convert_weight_to_int4pack,
+    cuda_weight_int4pack_mm,
+    int4_kernel,
+    mps_convert_weight_to_int4pack,
+    mps_weight_int4pack_mm,
+    unpack_int4pack,
+)
+from nvchat_torch.models.quant import Int4PackedLinear, QuantizedLinear, pack_int4, self_test_kernel, unpack_codes
+from nvchat_torch.op_audit import (
+    LAYOUTS,
+    Audit,
+    NativeFunctions,
+    OpRecorder,
+    audit,
+    document,
+    markdown_table,
+    read_between_markers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +316,7 @@ def test_the_faithful_mode_on_cuda_falls_back_loudly_once_and_says_so(q4_card):
 
 
 def test_a_missing_kernel_falls_back_loudly_once(q4_card, monkeypatch):
-    from nvchat_torch.int4pack import Int4Kernel
+    from nvchat_torch.models.int4pack import Int4Kernel
 
     monkeypatch.setattr(Int4Kernel, "available", lambda self: False)
     with warnings.catch_warnings(record=True) as caught:
@@ -444,7 +459,7 @@ def test_the_audit_flags_an_op_without_an_mps_kernel_and_float64():
 def test_the_audit_checks_bf16_against_the_networks_of_docs_parity():
     """Modules at the model's real paths: bf16 arithmetic passes per layout only inside the networks
     docs/parity.md computes in bf16; moves of bf16 values and products with a mask round nothing."""
-    from nvchat_torch.layers import squared_norms
+    from nvchat_torch.models.layers import squared_norms
 
     def computes(forward):  # a module whose call runs ``forward`` (found on the stack as the module's call)
         module = torch.nn.Module()
@@ -533,7 +548,8 @@ def test_the_doctor_reports_on_the_cpu(tmp_path):
 
 def test_the_doctor_shows_each_fallback(q4_card, monkeypatch):
     """A failed self-test, and an op torch reports as run on the CPU on every call of a 4-bit linear."""
-    from nvchat_torch import doctor, quant
+    from nvchat_torch import doctor
+    from nvchat_torch.models import quant
 
     monkeypatch.setattr(quant, "_kernel_self_test", lambda packed, source: f"{packed.kernel.op} failed its "
                         "self-test (relative error 0.5 > 0.02)")
@@ -553,7 +569,8 @@ def test_the_doctor_shows_each_fallback(q4_card, monkeypatch):
 def test_the_doctors_kernel_rows_and_devices_off_the_cpu(monkeypatch):
     """On mps the doctor self-tests the device's own kernel there (no stand-in rows), or its stand-in on
     the CPU; a device with no kernel says so; the devices line names what torch finds; peak memory."""
-    from nvchat_torch import doctor, int4pack
+    from nvchat_torch import doctor
+    from nvchat_torch.models import int4pack
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 << 30)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 << 30)

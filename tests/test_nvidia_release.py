@@ -15,25 +15,29 @@ import sys
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import mlx.core as mx
-
-import nvchat_torch as nv
 from mlx_oracle import full_size_manifest, synth_audio
-from nvchat_torch.checkpoint import BadWeightsWarning, Checkpoint, CheckpointError
-from nvchat_torch.config import QuantSpec, VoiceChatConfig
-from nvchat_torch.convert import main as convert_main
-from nvchat_torch.model import QUANTIZED_PREFIXES
-from nvchat_torch.nvidia_release import NANO_9B_V2, NANO_9B_V2_BASE, ReleaseCheckpoint, release_config, runtime_config
-from nvchat_torch.quantize import mlx_quantize, mlx_quantize_rows
-from nvchat_torch.model import VoiceChatModel
-from nvchat_torch.tiny import RNNT_VOCABULARY, randomize_, tiny_config_dict, write_tokenizer
+from safetensors.torch import load_file, save_file
 from test_layouts import assert_same_stream
 from test_session import PROMPT, run_reference_stream, run_stream
+
+import nvchat_torch as nv
+from nvchat_torch.convert import main as convert_main
+from nvchat_torch.loading.checkpoint import BadWeightsWarning, Checkpoint, CheckpointError
+from nvchat_torch.loading.nvidia_release import (
+    NANO_9B_V2,
+    NANO_9B_V2_BASE,
+    ReleaseCheckpoint,
+    release_config,
+    runtime_config,
+)
+from nvchat_torch.loading.quantize import mlx_quantize, mlx_quantize_rows
+from nvchat_torch.model import QUANTIZED_PREFIXES, VoiceChatModel
+from nvchat_torch.models.config import QuantSpec, VoiceChatConfig
+from nvchat_torch.tiny import RNNT_VOCABULARY, randomize_, tiny_config_dict, write_tokenizer
 
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -396,7 +400,7 @@ def test_bad_weights_are_named_in_one_warning(source, ckpt_f32, nano, tmp_path):
 
 
 def test_release_checkpoint_reads_a_packed_matrix_once(release, nano, monkeypatch):
-    from nvchat_torch import nvidia_release
+    from nvchat_torch.loading import nvidia_release
 
     calls = []
     real = nvidia_release.mlx_quantize_rows

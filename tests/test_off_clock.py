@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
-
-import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch import ContextLimit
 from test_engine import assert_same_events
 from test_layouts import LAYOUTS, MIN_SNR_DB, snr_db
 from test_session import PROMPT
+
+import nvchat_torch as nv
+from nvchat_torch import ContextLimit
 
 FRAME = 1280
 # Heard frames and steps off the clock, in order: ("hear", frames) or ("off", steps, text, speak, keep_audio).
@@ -326,7 +326,7 @@ def test_steps_of_the_tts_alone_match_the_reference(ckpt_q4, reference):
 
 def assert_tts_alone_matches(model, ref) -> None:
     """:func:`test_steps_of_the_tts_alone_match_the_reference`'s schedule on ``model`` against ``ref``."""
-    from nvchat_torch.step_plan import StepPlan
+    from nvchat_torch.runtime.step_plan import StepPlan
 
     cfg = model.config
     wave = synth_audio(1.3, seed=5)

@@ -13,16 +13,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
 from mlx_audio.dsp import hanning, mel_filters
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_oracle import full_size_manifest, synth_audio, to_np
 from mlx_vlm.models.nemotron_voicechat.streaming import _RNNTState
-from nvchat_torch.checkpoint import Checkpoint
-from nvchat_torch.config import PreprocessorConfig, VoiceChatConfig
-from nvchat_torch.perception import Perception
-from nvchat_torch.mel import LogMel
-from nvchat_torch.rnnt import RnntDecoder, RnntJoint, RnntTranscriber, TranscriptText
+
+from nvchat_torch.loading.checkpoint import Checkpoint
+from nvchat_torch.models.config import PreprocessorConfig, VoiceChatConfig
+from nvchat_torch.models.mel import LogMel
+from nvchat_torch.models.perception import Perception
+from nvchat_torch.models.rnnt import RnntDecoder, RnntJoint, RnntTranscriber, TranscriptText
 
 FRAME = 1280
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")

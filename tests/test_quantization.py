@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as mnn
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-import mlx.core as mx
-import mlx.nn as mnn
-
-from nvchat_torch.config import ConfigError, QuantSpec
-from nvchat_torch.quant import (
+from nvchat_torch.models.config import ConfigError, QuantSpec
+from nvchat_torch.models.quant import (
     Int4PackedLinear,
     QuantizedEmbedding,
     QuantizedLinear,

@@ -6,14 +6,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from mlx_oracle import synth_audio
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nvchat_torch as nv
-from mlx_oracle import synth_audio
-from nvchat_torch.config import QuantSpec
-from nvchat_torch.quant import (Int4PackedLinear, QuantizedEmbedding, QuantizedLinear, quantize_affine,
-                                 unpack_codes)
+from nvchat_torch.models.config import QuantSpec
+from nvchat_torch.models.quant import (
+    Int4PackedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    quantize_affine,
+    unpack_codes,
+)
 from nvchat_torch.tiny import PACK_ELEMENTS, pack_affine, random_model
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nvchat_torch.safetensors_file import SafetensorsFile
+from nvchat_torch.loading.safetensors_file import SafetensorsFile
 
 
 @pytest.fixture

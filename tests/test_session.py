@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
-import mlx.core as mx
+from mlx_oracle import full_size_manifest, synth_audio
 
 import nvchat_torch as nv
-from mlx_oracle import full_size_manifest, synth_audio
 from nvchat_torch.model import build_model
 
 RAGGED = (777, 1013, 333, 2048, 1, 1280, 4001)
@@ -325,7 +324,7 @@ def test_profile_percentiles_interpolate_like_the_reference():
 
 
 def test_loaded_state_dict_is_the_checkpoints(ckpt_q4):
-    from nvchat_torch.checkpoint import Checkpoint
+    from nvchat_torch.loading.checkpoint import Checkpoint
 
     model = nv.load_model(ckpt_q4, device="cpu", dtype=torch.float32, prepare=False, weights="packed")
     with Checkpoint(ckpt_q4) as ckpt:

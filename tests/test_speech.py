@@ -5,17 +5,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx_oracle import full_size_manifest, to_np
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mlx.core as mx
-
-from mlx_oracle import full_size_manifest, to_np
-from nvchat_torch.checkpoint import Checkpoint
-from nvchat_torch.config import VoiceChatConfig
-from nvchat_torch.tts import EarTTS, SpeechDecoder, TTSPrompt, sample_component
+from nvchat_torch.loading.checkpoint import Checkpoint
+from nvchat_torch.models.config import VoiceChatConfig
+from nvchat_torch.models.tts import EarTTS, SpeechDecoder, TTSPrompt, sample_component
 
 PAD, EOS, BOS, SILENCE = 12, 2, 1, 11
 
@@ -313,8 +312,8 @@ def test_bad_input_is_reported(ckpt_f32, speech):
 
 
 def test_the_speaker_names_the_prompt_latents():
-    from nvchat_torch.config import ConfigError
     from nvchat_torch.model import VoiceChatModel
+    from nvchat_torch.models.config import ConfigError
     from nvchat_torch.tiny import tiny_config_dict
 
     values = {**tiny_config_dict(), "speaker": "Nova"}

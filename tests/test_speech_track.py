@@ -1,4 +1,4 @@
-"""The TTS prefill track (nvchat_torch.speech_track): a session that takes its prompt's TTS state from the
+"""The TTS prefill track (nvchat_torch.runtime.speech_track): a session that takes its prompt's TTS state from the
 model's shared track is, frame by frame and bit for bit, the session whose prefill ran every TTS step
 itself (the tracks off: ``max_bytes = 0``), whether the track was longer (a prefix), shorter (extended),
 bounded (the session goes on alone), shared between threads, or taken by the engine's deferred prefill;
@@ -12,16 +12,16 @@ import time
 import numpy as np
 import pytest
 import torch
-
-import nvchat_torch as nv
 from mlx_oracle import synth_audio
-from nvchat_torch import adapters
-from nvchat_torch.model import VoiceChatModel
-from nvchat_torch.speech_track import TRACK_BYTES
-from nvchat_torch.timeline import PREFILL_CHUNK, Timeline
 from test_layouts import LAYOUTS, MIN_SNR_DB, snr_db
 from test_long_sessions import tiny_model_with
 from test_session import channel, run_reference_stream
+
+import nvchat_torch as nv
+from nvchat_torch.model import VoiceChatModel
+from nvchat_torch.runtime.speech_track import TRACK_BYTES
+from nvchat_torch.runtime.timeline import PREFILL_CHUNK, Timeline
+from nvchat_torch.training import adapters
 
 FRAME = 1280
 SHORT = "be brief and kind to every caller"

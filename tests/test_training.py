@@ -10,13 +10,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 import nvchat_torch as nv
-from nvchat_torch import adapters, training as tr
-from nvchat_torch import training_labels as tl
-from nvchat_torch.quant import QuantizedLinear
+from nvchat_torch.models.quant import QuantizedLinear
 from nvchat_torch.tiny import SPECIAL_TOKENS_MAP, build_tokenizer, random_model, save_checkpoint
-from transformers import PreTrainedTokenizerFast
+from nvchat_torch.training import adapters
+from nvchat_torch.training import labels as tl
+from nvchat_torch.training import objectives as tr
 
 FRAME = 1280
 
@@ -303,7 +304,7 @@ def _losses(model, example, generator):
 
 @pytest.mark.parametrize("layout", ["f32", "bf16"])
 def test_gradients_are_finite_and_only_on_trainables(layout):
-    from nvchat_torch.finetune import set_trainable
+    from nvchat_torch.training.finetune import set_trainable
     model = _model(layout).train()
     trainable = set(set_trainable(model, ["stt", "tts"]))  # NVIDIA's freezing: never the codec
     stt, tts = _losses(model, _example(model), torch.Generator().manual_seed(0))
@@ -405,7 +406,7 @@ def test_merged_card_loads(tmp_path):
 def test_merged_4bit_card_holds_the_requantized_sum(tmp_path):
     """Merging into the 4-bit card: each adapted layer is stored as MLX's 4-bit quantization of W + (a/r) B A
     (with the layer's own group size), every other tensor as it was."""
-    from nvchat_torch.quant import quantize_affine, dequantize
+    from nvchat_torch.models.quant import dequantize, quantize_affine
     model = _model("q4")
     example = _example(model, frames=4)
     untouched = {k: v.clone() for k, v in model.stt_model.lm_head.state_dict().items()}
@@ -428,7 +429,7 @@ def test_merged_4bit_card_holds_the_requantized_sum(tmp_path):
 def test_lora_over_the_int4pack_kernel_trains_like_the_mlx_packing():
     """QLoRA on torch's int4pack kernel (``--int4pack``): the adapters' gradients are those of the same
     adapters over the MLX-packed layers (the same 4-bit weights, another matmul)."""
-    from nvchat_torch.quant import Int4PackedLinear, pack_int4
+    from nvchat_torch.models.quant import Int4PackedLinear, pack_int4
     grads = []
     for int4 in (False, True):
         model = _model("q4")
@@ -465,7 +466,7 @@ def test_lora_dropout_draws_from_the_generator():
 def test_packed_base_backward_is_the_dense_one(kind):
     """QLoRA's backward: the input gradient through a frozen 4-bit base equals the dense matmul's, with
     nothing dense saved for it."""
-    from nvchat_torch.quant import Int4PackedLinear, QuantSpec, quantize_affine
+    from nvchat_torch.models.quant import Int4PackedLinear, QuantSpec, quantize_affine
     g = torch.Generator().manual_seed(0)
     base = QuantizedLinear(128, 48, bias=True, spec=QuantSpec(4, 64), scale_dtype=torch.float32)
     wq, s, b = quantize_affine(torch.randn(48, 128, generator=g), 4, 64)
@@ -507,8 +508,8 @@ def test_peft_reads_our_adapter(tmp_path):
 
 
 def test_finetune_command_line(tmp_path):
-    from nvchat_torch import finetune
     from nvchat_torch.audio_io import write_wav
+    from nvchat_torch.training import finetune
     rng = np.random.default_rng(1)
     write_wav(tmp_path / "user.wav", (rng.standard_normal(FRAME * 12) * 0.1).astype(np.float32), 16000)
     write_wav(tmp_path / "agent.wav", (rng.standard_normal(1764 * 12) * 0.1).astype(np.float32), 22050)
@@ -540,7 +541,7 @@ def test_finetune_command_line(tmp_path):
 
 
 def test_full_fine_tuning_freezes_as_nvidia_does():
-    from nvchat_torch.finetune import set_trainable
+    from nvchat_torch.training.finetune import set_trainable
     model = _model("f32")
     names = set_trainable(model, ["stt", "tts"])
     assert not any(n.startswith(("tts_model.audio_codec.", "stt_model.rnnt_")) for n in names)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from ..events import ContextLimit, StreamingOptions
-from ..prompt_cache import PromptCache
+from ..runtime.prompt_cache import PromptCache
 
 __all__ = ["FrameScheduler", "Output", "OutputKind", "WARM_PROMPT_TOKENS"]
 
@@ -75,7 +75,7 @@ RECENT_S = 2.0  # the step and prefill times a catch-up's or a piece's duration 
 # A catch-up step is predicted to take the 90th percentile of the recent steps: on a busy machine a rare
 # step descheduled for hundreds of ms would otherwise stop every catch-up for RECENT_S.
 CATCH_UP_QUANTILE = 0.9
-# The prompt tokens the default mode's prefill track (sampling, seed 0: nvchat_torch.speech_track) is made
+# The prompt tokens the default mode's prefill track (sampling, seed 0: nvchat_torch.runtime.speech_track) is made
 # for while the worker is idle, so that the server's first caller finds it: a prompt with tools is ~600.
 WARM_PROMPT_TOKENS = 640
 
@@ -92,7 +92,7 @@ class FrameScheduler:
                  catch_up: bool = True, warm_prompt_tokens: int = WARM_PROMPT_TOKENS):
         self.model = model
         self.engine = model.create_engine(max_sessions=max_sessions)
-        # Sessions with a prompt prefilled before join at once (nvchat_torch.prompt_cache); 0: none kept.
+        # Sessions with a prompt prefilled before join at once (nvchat_torch.runtime.prompt_cache); 0: none kept.
         self.engine.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.clock = model.config.frame_duration if clock is None else clock
         self.catch_up = catch_up

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .events import VoiceChatEvent
+from ..events import VoiceChatEvent
 
 __all__ = ["StepPlan", "PLAIN", "off_clock_steps"]
 

@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["PromptCache", "PromptState"]
 
-# What a prefill changes on a Timeline (nvchat_torch.timeline), besides the generator's state.
+# What a prefill changes on a Timeline (nvchat_torch.runtime.timeline), besides the generator's state.
 _FIELDS = ("language_cache", "history", "tts_cache", "previous_code", "prev_text", "prev_function", "index",
            "last_hidden")
 

@@ -26,21 +26,40 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..diagnostics import return_freed_memory, synchronize
+from ..models.conformer import ConformerRows
+from ..models.gemma import TTSRows
+from ..models.language_heads import fused_input, language_heads
+from ..models.nemotron_h import KVCache, LanguageRows, MambaCache
+from ..models.rnnt import RnntState
+from ..turn_taking import TurnTaking, TurnTakingConfig
 from .compiled_step import CompiledStep, batch_bucket
-from .conformer import ConformerRows
-from .diagnostics import return_freed_memory, synchronize
-from .frame_layout import (DECODES, DRAWS, FORCED_FUNCTION, FORCED_TEXT, FORCES_FUNCTION, FORCES_TEXT, FRAME, HEARS,
-                           LLM_POSITION, ROUNDS_KEYS, RUNS, RUNS_TTS, SPOKEN, TABLE, THINKS, TTS_POSITION, FrameInput,
-                           PackedLayout, StepFlags, StepTensors)
-from .gemma import TTSRows
-from .language_heads import fused_input, language_heads
-from .nemotron_h import KVCache, LanguageRows, MambaCache
-from .rnnt import RnntState
-from .turn_taking import TurnTaking, TurnTakingConfig
+from .frame_layout import (
+    DECODES,
+    DRAWS,
+    FORCED_FUNCTION,
+    FORCED_TEXT,
+    FORCES_FUNCTION,
+    FORCES_TEXT,
+    FRAME,
+    HEARS,
+    LLM_POSITION,
+    ROUNDS_KEYS,
+    RUNS,
+    RUNS_TTS,
+    SPOKEN,
+    TABLE,
+    THINKS,
+    TTS_POSITION,
+    FrameInput,
+    PackedLayout,
+    StepFlags,
+    StepTensors,
+)
 
 if TYPE_CHECKING:
+    from ..networks import VoiceChatNetworks
     from .compiled_step import StepCompiler
-    from .networks import VoiceChatNetworks
     from .timeline import Timeline
 
 __all__ = ["FrameStep", "FrameInput", "RowState"]  # FrameInput: frame_layout's, where the host gives a row's step
@@ -98,7 +117,7 @@ class FrameStep:
     ``perception_cache=False`` / ``language_cache=False``: the reference's cache-free diagnostics (the
     encoder over a window of recent audio; the LLM over the whole history every frame), for one row.
     With the model's step compiler (``load_model(..., compile=True)``) the device step runs compiled,
-    its batch in powers of two (:func:`~nvchat_torch.compiled_step.batch_bucket`); the diagnostics stay eager.
+    its batch in powers of two (:func:`~nvchat_torch.runtime.compiled_step.batch_bucket`); the diagnostics stay eager.
     """
 
     def __init__(self, model: VoiceChatNetworks, *, perception_cache: bool = True, language_cache: bool = True) -> None:
@@ -364,7 +383,7 @@ class FrameStep:
         """The host's part before the step: what it knows of the rows as one table, uploaded in one copy,
         the frame's samples, the TTS's random numbers (drawn from the rows' generators), the caches'
         room for the step (grown in whole blocks, here and never inside the step), and the flags that
-        pick the step's graph (under the compiler, a few fixed ones: see :class:`~nvchat_torch.frame_layout.StepFlags`)."""
+        pick the step's graph (under the compiler, a few fixed ones: see :class:`~nvchat_torch.runtime.frame_layout.StepFlags`)."""
         cfg, device, batch, static = self.config, self.device, self.batch, self._compiled is not None
         frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
         # What the host knows of each row, one column per row (the fields: TABLE).

@@ -6,7 +6,7 @@ CPU build has ``_convert_weight_to_int4pack_for_cpu`` + ``_weight_int4pack_mm_fo
 All compute ``y = x @ w.T`` with ``w = (q - 8) * scale + zero`` per group of ``group_size`` input
 columns, ``q`` the unsigned 4-bit code and ``qScaleAndZeros`` a ``[K / group_size, N, 2]`` tensor
 of ``(scale, zero)``. Which one a model uses is an :class:`Int4Kernel`, chosen once when the
-weights are packed (:func:`nvchat_torch.quant.pack_int4`), so a CPU test can pack and run the
+weights are packed (:func:`nvchat_torch.models.quant.pack_int4`), so a CPU test can pack and run the
 MPS and CUDA layouts through the pure-torch models below (``int4_kernel("mps", stand_in=True)``).
 
 The layouts, read from PyTorch's sources (torch 2.13; ``torch/_meta_registrations.py`` of the

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..diagnostics import return_freed_memory
 from .config import QuantSpec
-from .diagnostics import return_freed_memory
 from .int4pack import Int4Kernel, int4_kernel
 from .layers import REDUCED, Linear
 
@@ -257,7 +257,7 @@ class Int4PackedLinear(nn.Module):
     ``zero = bias + 8*scale`` (computed in fp32). Built by :func:`pack_int4` from a
     :class:`QuantizedLinear`, whose packed codes it replaces (not a second copy). ``kernel``
     (default: the one of the weights' device) picks the layout and the op: see
-    :mod:`nvchat_torch.int4pack`, whose stand-ins run the MPS and CUDA layouts on a CPU.
+    :mod:`nvchat_torch.models.int4pack`, whose stand-ins run the MPS and CUDA layouts on a CPU.
     """
 
     def __init__(self, src: QuantizedLinear, dtype: torch.dtype, kernel: Int4Kernel | None = None,
@@ -342,7 +342,7 @@ def pack_int4(model: nn.Module, dtype: torch.dtype | None = None, kernel: Int4Ke
 
     ``dtype`` is the compute dtype of the kernel (bfloat16 is the fast path on CPU and the only
     one on CUDA). ``kernel`` is the layout and op to use (default: the weights' device's,
-    :func:`~nvchat_torch.int4pack.int4_kernel`; a stand-in runs the MPS or CUDA branch on a CPU).
+    :func:`~nvchat_torch.models.int4pack.int4_kernel`; a stand-in runs the MPS or CUDA branch on a CPU).
     Returns the number of modules swapped: none if the device lacks the kernel, the kernel does not
     take ``dtype``, or its one-time self-test on the device fails; the modules then dequantize per
     call (still correct), each says why in ``fallback`` (shown by ``model.describe()``), and one

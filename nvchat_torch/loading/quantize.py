@@ -1,6 +1,6 @@
 """MLX's affine quantizer, reproduced exactly: the codes, scales and biases ``mx.quantize`` gives.
 
-``nvchat_torch.quant.quantize_affine`` writes a valid MLX encoding (plain min/max per group), but
+``nvchat_torch.models.quant.quantize_affine`` writes a valid MLX encoding (plain min/max per group), but
 not the one MLX writes: ``mx.quantize`` snaps the group's edge. Its CPU kernel
 (``mlx/backend/cpu/quantized.cpp``, ``quantize``), per group of ``group_size`` consecutive
 elements of a row, in float32:

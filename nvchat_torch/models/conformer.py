@@ -23,8 +23,21 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import ConformerConfig
-from .layers import (Conv1d, Conv2d, FusedOnCpu, LayerNorm, Linear, add_linear, adopt, layer_step, layer_step_input,
-                     norm_linear, promoted, swap_modules, window_tail)
+from .layers import (
+    Conv1d,
+    Conv2d,
+    FusedOnCpu,
+    LayerNorm,
+    Linear,
+    add_linear,
+    adopt,
+    layer_step,
+    layer_step_input,
+    norm_linear,
+    promoted,
+    swap_modules,
+    window_tail,
+)
 from .layers import linear as promoted_linear
 from .quant import concat_linears
 
@@ -58,7 +71,7 @@ class FeedForward(nn.Module):
 
     def add_to(self, x: torch.Tensor, norm: nn.Module, alpha: float) -> torch.Tensor:
         """``x + alpha * self(norm(x))``: the norm, first projection and SiLU as one op on a CPU
-        (:func:`~nvchat_torch.layers.norm_linear`), the last projection and the sum as another."""
+        (:func:`~nvchat_torch.models.layers.norm_linear`), the last projection and the sum as another."""
         return add_linear(x, self.linear2, norm_linear(norm, x, self.linear1, "silu"), alpha)
 
 

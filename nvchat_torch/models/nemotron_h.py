@@ -1,7 +1,7 @@
 """Nemotron-H, the VoiceChat language model: Mamba-2, attention (no RoPE) and relu² MLP blocks.
 
 Checkpoint prefix ``stt_model.llm``; the fused input and both vocabulary heads sit beside it and are
-served by :mod:`nvchat_torch.language_heads`.
+served by :mod:`nvchat_torch.models.language_heads`.
 
 Dtype policy: the MLX reference's promotion rules, which decide its rounding. Every op runs in the
 promoted dtype of its operands, as in MLX: fp32 inputs with bf16 weights in fp32 (``Linear`` promotes;
@@ -14,7 +14,7 @@ promoted dtype of its operands, as in MLX: fp32 inputs with bf16 weights in fp32
   writes are rounded to the buffer dtype, until the buffer grows by a 256-slot block, which
   promotes it (MLX concatenates the new block).
 * ``A_log`` stays float32 whatever the model dtype (the loader keeps it, and so does
-  :func:`~nvchat_torch.checkpoint.cast`, the reference's cast of a model).
+  :func:`~nvchat_torch.loading.checkpoint.cast`, the reference's cast of a model).
 """
 
 from __future__ import annotations
@@ -28,13 +28,31 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TextConfig
-from .layers import (KV_BLOCK, REDUCED, Conv1d, FusedOnCpu, Linear, RMSNorm, add_linear, adopt, grown_capacity, layer_step,
-                     layer_step_input, norm_linear, promote, register_float32, rms_norm, silu, swap_modules,
-                     window_tail)
+from .layers import (
+    KV_BLOCK,
+    REDUCED,
+    Conv1d,
+    FusedOnCpu,
+    Linear,
+    RMSNorm,
+    add_linear,
+    adopt,
+    grown_capacity,
+    layer_step,
+    layer_step_input,
+    norm_linear,
+    promote,
+    register_float32,
+    rms_norm,
+    silu,
+    swap_modules,
+    window_tail,
+)
 from .quant import QuantizedLinear, fuse_linears
-from .ssd_scan import ssd_scan
 
 __all__ = [
+    "SSD_CHUNK",
+    "ssd_scan",
     "RMSNorm",
     "MambaCache",
     "KVCache",
@@ -211,6 +229,53 @@ class LanguageCache:
 # Mamba-2
 
 
+# Mamba-2's SSM over a whole sequence in chunks (the SSD form): the prompt prefill's scan, equal to the
+# per-token recurrence that NemotronHMamba2Mixer steps with.
+SSD_CHUNK = 256  # sequence chunk of the SSD scan (as the reference's ssm_attn)
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over a sequence in chunks (Mamba-2's SSD form), equal to the per-token recurrence.
+
+    x [b, L, H, P], dt [b, L, H] float32, A [H] float32, B and C [b, L, G, N] (head h reads group
+    h // (H/G)), state [b, H, P, N] float32 or None (zeros). Returns y [b, L, H, P] float32
+    (without the D skip) and the final state.
+    """
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    R = H // G
+    ys = []
+    for start in range(0, L, SSD_CHUNK):
+        xc, dtc = x[:, start:start + SSD_CHUNK], dt[:, start:start + SSD_CHUNK]
+        Bc, Cc = B[:, start:start + SSD_CHUNK], C[:, start:start + SSD_CHUNK]
+        s = xc.shape[1]
+        a = (dtc * A).transpose(1, 2)  # [b, H, s] log-decay per step
+        dtx = (dtc.unsqueeze(-1) * xc).transpose(1, 2)  # [b, H, s, P]
+        # seg[t, u] = sum of a over (u, t]: a cumulative sum of a strictly lower-triangular copy,
+        # which avoids the cancellation of cumsum[t] - cumsum[u].
+        seg = a.unsqueeze(-1).expand(b, H, s, s).tril(-1).cumsum(-2)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        decay = seg.exp().masked_fill(~causal, 0.0)
+        CB = torch.einsum("btgn,bugn->bgtu", Cc, Bc).float()  # [b, G, s, s]
+        y = (CB.unsqueeze(2) * decay.view(b, G, R, s, s)).view(b, H, s, s) @ dtx
+        # State at the chunk end: every input decayed from its step to the last one.
+        Bg = Bc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
+        weighted = (dtx * decay[:, :, -1, :].unsqueeze(-1)).view(b, G, R, s, P)
+        new_state = (weighted.transpose(-1, -2) @ Bg).view(b, H, P, N)
+        if state is not None:
+            cum = a.cumsum(-1)  # [b, H, s]
+            Cg = Cc.transpose(1, 2).unsqueeze(2).float()  # [b, G, 1, s, N]
+            y_prev = (Cg @ state.view(b, G, R, P, N).transpose(-1, -2)).view(b, H, s, P)
+            y = y + cum.exp().unsqueeze(-1) * y_prev
+            new_state = new_state + cum[..., -1].exp()[..., None, None] * state
+        state = new_state
+        ys.append(y.transpose(1, 2))
+    if state is None:
+        raise ValueError("ssd_scan: an empty sequence (L = 0) has no final state")
+    return torch.cat(ys, 1) if len(ys) > 1 else ys[0], state
+
+
 class NemotronHMamba2Mixer(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -312,7 +377,7 @@ class NemotronHMamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, cache: MambaCache | None = None, rows: LanguageRows | None = None,
                 residual: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
         """``rows``: the streaming step's placement (the conv and SSM state are per row whatever it is).
-        ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.layers.add_linear`); ``norm``:
+        ``residual``: returns ``residual + mixer(x)`` (:func:`~nvchat_torch.models.layers.add_linear`); ``norm``:
         the block's pre-norm, applied to x here (fused with ``in_proj`` on a CPU, as in every mixer)."""
         y = self.mix(norm_linear(norm, x, self.in_proj), cache, rows is None, None if rows is None else rows.steps)
         return self.out_proj(y) if residual is None else add_linear(residual, self.out_proj, y)
@@ -352,7 +417,7 @@ class NemotronHMamba2Mixer(nn.Module):
 
 class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
     """``prepare()``'s swap for :class:`NemotronHMamba2Mixer`: ``A = -exp(A_log)`` computed once, and on
-    a float32 CPU model a streaming step's whole mix as one fused kernel (:mod:`~nvchat_torch.cpu_kernels`)."""
+    a float32 CPU model a streaming step's whole mix as one fused kernel (:mod:`~nvchat_torch.models.cpu_kernels`)."""
 
     def __init__(self, mixer: NemotronHMamba2Mixer):
         adopt(self, mixer)
@@ -363,8 +428,8 @@ class FusedMamba2Mixer(NemotronHMamba2Mixer, FusedOnCpu):
 
     def use_cpu_kernels(self) -> None:
         """Take the fused step on float32 activations, with its small parameters in float32 (see
-        :func:`~nvchat_torch.layers.register_float32`); the conv's taps ``[C, K]`` and bias are the ones
-        :class:`~nvchat_torch.layers.Conv1d` keeps (``prepare()`` gives it them too)."""
+        :func:`~nvchat_torch.models.layers.register_float32`); the conv's taps ``[C, K]`` and bias are the ones
+        :class:`~nvchat_torch.models.layers.Conv1d` keeps (``prepare()`` gives it them too)."""
         for name, t in (("D_f32", self.D), ("dt_bias_f32", self.dt_bias), ("norm_weight_f32", self.norm.weight)):
             register_float32(self, name, t)
         self.fused_on_cpu = True

@@ -46,7 +46,7 @@ class HeadOutputs:
 
 def fuse_heads(lm_head: nn.Module, function_head: nn.Module, release: bool = False) -> nn.Module:
     """``lm_head`` and ``function_head`` as one linear (outputs concatenated), for :func:`language_heads`;
-    ``release``: the two are discarded after (see :func:`~nvchat_torch.quant.concat_linears`)."""
+    ``release``: the two are discarded after (see :func:`~nvchat_torch.models.quant.concat_linears`)."""
     return concat_linears([lm_head, function_head], release=release)
 
 

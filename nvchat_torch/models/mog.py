@@ -8,7 +8,6 @@ deterministic mode), and its low-rank mean and shared std give the proposal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Callable, Optional, Sequence, Union
 
 import torch

@@ -16,9 +16,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import network_config
-from .network_config import (AudioConfig, CharacterEncoderConfig, CodecConfig, ConfigError, ConformerConfig, MoGConfig,
-                             PreprocessorConfig, RnntDecoderConfig, RnntJointConfig, TextConfig, TTSConfig, require,
-                             from_mapping, require_positive)
+from .network_config import (
+    AudioConfig,
+    CharacterEncoderConfig,
+    CodecConfig,
+    ConfigError,
+    ConformerConfig,
+    MoGConfig,
+    PreprocessorConfig,
+    RnntDecoderConfig,
+    RnntJointConfig,
+    TextConfig,
+    TTSConfig,
+    from_mapping,
+    require,
+    require_positive,
+)
 
 __all__ = [*network_config.__all__, "QuantSpec", "VoiceChatConfig", "FULL_SIZE_TEXT_CONFIG"]
 

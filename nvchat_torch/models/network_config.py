@@ -1,6 +1,6 @@
 """The per-network sections of ``config.json`` (``audio_config``, ``text_config``, ``tts_config``,
-``codec_config``) as typed dataclasses, and the checks that name a bad key. ``nvchat_torch.config``
-assembles them into :class:`~nvchat_torch.config.VoiceChatConfig`.
+``codec_config``) as typed dataclasses, and the checks that name a bad key. ``nvchat_torch.models.config``
+assembles them into :class:`~nvchat_torch.models.config.VoiceChatConfig`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ its decode step: one graph per frame, caches updated in place, positions as tens
 
 What makes the step compilable whole (``fullgraph=True``): it reads no host-side position (the cache
 positions ride in the rows' table, and attention runs over the whole key/value buffers with masks
-made from them), it takes its random numbers drawn already (:class:`~nvchat_torch.mog.Draws`), it
+made from them), it takes its random numbers drawn already (:class:`~nvchat_torch.models.mog.Draws`), it
 writes every cache in place, and the buffers grow outside it, a block at a time. Their capacity is
 marked dynamic, so a growing cache compiles nothing; CUDA graphs (``mode="reduce-overhead"``, the
 default on CUDA) are recorded per shape, so one is recorded when a block is added, never per frame.
 
 Each kind of layer (Mamba, attention and MLP blocks, Conformer layers, the TTS's sliding and global
-layers) is a nested compile region (:func:`~nvchat_torch.layers.layer_step`): traced and compiled once,
+layers) is a nested compile region (:func:`~nvchat_torch.models.layers.layer_step`): traced and compiled once,
 stamped out for the other layers of its kind, which bounds the compile time of the one graph. So are
 the loops over repeated work: the RNNT's symbols and the 31 quantizers' codebook searches.
 
@@ -28,7 +28,7 @@ in a forked child, and on macOS forking a process that has used the system frame
 Python's own default for multiprocessing says): there the graph is compiled in this process.
 
 What it leaves eager: the prompt prefill and the speaker warmup (once per session, long sequences),
-and the cache-free diagnostics. The fused CPU kernels (:mod:`~nvchat_torch.cpu_kernels`) are not used
+and the cache-free diagnostics. The fused CPU kernels (:mod:`~nvchat_torch.models.cpu_kernels`) are not used
 under it: the compiler fuses the composite code, which is what MPS and CUDA run.
 """
 
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .diagnostics import return_freed_memory
+from ..diagnostics import return_freed_memory
 
 __all__ = ["StepCompiler", "CompiledStep", "BACKENDS", "STORE_ENV", "batch_bucket", "default_store"]
 
@@ -392,7 +392,7 @@ def _storable_guards(entries: list[Any]) -> list[bool]:
 @functools.cache
 def _package_digest() -> str:
     """This package's Python source, hashed: a stored graph is this code traced."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the whole package, not only this folder
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())

@@ -5,7 +5,7 @@ text embeddings (``tts_model.tts_model.gated_fusion_audio_text``).
 A text id is spelled out from the LLM tokenizer's vocabulary (tables built once by
 :meth:`CharAwareSubwordEncoder.set_vocabulary`), its characters run through a one-layer
 bidirectional encoder and are pooled; the reference computes all of it in bf16 for a bf16
-checkpoint, so every op here follows its rounding (see ``nvchat_torch.layers``).
+checkpoint, so every op here follows its rounding (see ``nvchat_torch.models.layers``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import CharacterEncoderConfig
-from .gemma import FusedQKV, GatedMLP, Rotary, AttentionProjections
+from .gemma import AttentionProjections, FusedQKV, GatedMLP, Rotary
 from .layers import Linear, OffsetRMSNorm, adopt, matmul, scalar, sigmoid
 
 __all__ = ["CharEncoderAttention", "FusedCharEncoderAttention", "CharEncoder", "SubwordFlagEmbedding",

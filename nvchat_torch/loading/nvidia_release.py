@@ -8,7 +8,7 @@ training ``config.json`` (no ``model_type``), and no LLM tokenizer (it is
 * maps the nested config to the flat runtime config the cards carry (:func:`runtime_config`,
   the mapping of mlx-vlm's ``build_runtime_config``, with ``rnnt_blank_id`` derived from the RNNT
   vocabulary instead of fixed at 1024);
-* opens the file as a :class:`~nvchat_torch.checkpoint.Checkpoint` (:class:`ReleaseCheckpoint`),
+* opens the file as a :class:`~nvchat_torch.loading.checkpoint.Checkpoint` (:class:`ReleaseCheckpoint`),
   checking every key and shape against the config before anything is read;
 * optionally presents it as the card made from it (:meth:`ReleaseCheckpoint.as_card`): the LLM and
   vocabulary matrices quantized as ``mx.quantize`` does (float32 scales), every other float tensor
@@ -25,10 +25,17 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .checkpoint import (KEEP_FLOAT32, UNUSED_PREFIX, Checkpoint, CheckpointError, config_field, is_release_config,
-                         resolve_checkpoint)
-from .config import FULL_SIZE_TEXT_CONFIG, ConfigError, QuantSpec, VoiceChatConfig
-from .networks import VoiceChatNetworks
+from ..models.config import FULL_SIZE_TEXT_CONFIG, ConfigError, QuantSpec, VoiceChatConfig
+from ..networks import VoiceChatNetworks
+from .checkpoint import (
+    KEEP_FLOAT32,
+    UNUSED_PREFIX,
+    Checkpoint,
+    CheckpointError,
+    config_field,
+    is_release_config,
+    resolve_checkpoint,
+)
 from .quantize import mlx_quantize_rows
 
 __all__ = ["NANO_9B_V2", "NANO_9B_V2_BASE", "TOKENIZER_FILES", "ReleaseCheckpoint", "runtime_config",

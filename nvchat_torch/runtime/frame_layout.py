@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .mog import Draws
-    from .tools import ToolChannel
+    from ..models.mog import Draws
+    from ..tools import ToolChannel
 
 __all__ = ["TABLE", "PackedLayout", "FrameValues", "FrameInput", "StepFlags", "StepTensors"]
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
-from .language_heads import fused_input, language_heads
-from .tools import render_system_prompt
-from .training_labels import function_marker_ids
+from ..models.language_heads import fused_input, language_heads
+from ..tools import render_system_prompt
+from .labels import function_marker_ids
 
 if TYPE_CHECKING:
-    from .networks import VoiceChatNetworks
+    from ..networks import VoiceChatNetworks
 
 __all__ = ["STTOutput", "TTSOutput", "STTLossConfig", "TTSLossConfig", "prompt_ids", "user_frames",
            "stt_forward", "tts_forward", "stt_loss", "tts_loss", "masking_rate", "quantizer_masks"]

@@ -1,7 +1,7 @@
 """EAR-TTS: the assistant's speech tokens, 31 residual-VQ codes per 80 ms frame.
 
 Checkpoint prefix ``tts_model``: ``tts_model.tts_model`` is :class:`EarTTS`, ``tts_model.audio_codec``
-the :class:`~nvchat_torch.codec.Codec`, plus the prompt and silence buffers held by :class:`SpeechDecoder`.
+the :class:`~nvchat_torch.models.codec.Codec`, plus the prompt and silence buffers held by :class:`SpeechDecoder`.
 
 One frame (:meth:`EarTTS.step`): the previous frame's codes are depth-summed through ``rvq_embs``
 and projected (``embed_code``); the current text id goes through a character-aware subword encoder
@@ -27,12 +27,34 @@ from torch import nn
 from . import cpu_kernels
 from .codec import Codec
 from .config import CodecConfig, TTSConfig
-from .gemma import FusedGatedMLP, FusedGemmaAttention, GatedMLP, GemmaAttention, GemmaBackbone, Rotary, TTSCache, TTSRows
-from .layers import (FusedOnCpu, Linear, OffsetRMSNorm, PrecomputedOffsetRMSNorm, adopt, layer_step, squared_norms,
-                     swap_modules)
+from .gemma import (
+    FusedGatedMLP,
+    FusedGemmaAttention,
+    GatedMLP,
+    GemmaAttention,
+    GemmaBackbone,
+    Rotary,
+    TTSCache,
+    TTSRows,
+)
+from .layers import (
+    FusedOnCpu,
+    Linear,
+    OffsetRMSNorm,
+    PrecomputedOffsetRMSNorm,
+    adopt,
+    layer_step,
+    squared_norms,
+    swap_modules,
+)
 from .mog import Draws, FusedMoGHead, Generators, MoGHead, sample_component
-from .subword import (CharAwareSubwordEncoder, CharEncoderAttention, FusedCharEncoderAttention, FusedGatedFusion,
-                      GatedFusion)
+from .subword import (
+    CharAwareSubwordEncoder,
+    CharEncoderAttention,
+    FusedCharEncoderAttention,
+    FusedGatedFusion,
+    GatedFusion,
+)
 
 __all__ = [
     "TTSCache",
@@ -191,7 +213,7 @@ class EarTTS(nn.Module):
     def generate_codes(self, hidden: torch.Tensor, generator: Generators | Draws = None,
                        deterministic: bool | torch.Tensor = False, batched: bool = False) -> torch.Tensor:
         """Hidden ``[2B, 1, H]`` -> codes ``[B, 1, Q]`` (long) by the iterative MoG schedule (``B`` sessions,
-        each with its own generator: a list of them, see :func:`~nvchat_torch.mog.draw`; or the step's
+        each with its own generator: a list of them, see :func:`~nvchat_torch.models.mog.draw`; or the step's
         random numbers drawn already, :meth:`draws`). ``batched``: the same ops whatever ``B`` (the
         engine's steps; one session's step has a cheaper path for ``B`` = 1).
 

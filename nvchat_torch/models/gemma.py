@@ -1,6 +1,6 @@
 """The EAR-TTS backbone (``tts_model.tts_model.backbone``): a Gemma-3-style decoder stack, its
 attention with a key/value cache (:class:`TTSCache`), and the transformer pieces the character
-encoder (:mod:`nvchat_torch.subword`) shares with it: rotary tables, q/k/v attention, gated MLP.
+encoder (:mod:`nvchat_torch.models.subword`) shares with it: rotary tables, q/k/v attention, gated MLP.
 
 Layer i is global (every position) iff ``(i + 1) % sliding_window_pattern == 0``, the others slide
 over the last ``sliding_window`` positions; each has its own RoPE base. A step attends one new
@@ -17,8 +17,18 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import TTSConfig
-from .layers import (REDUCED, FusedOnCpu, Linear, OffsetRMSNorm, adopt, gelu_tanh, grown_capacity, layer_step, layer_step_input,
-                     norm_linear)
+from .layers import (
+    REDUCED,
+    FusedOnCpu,
+    Linear,
+    OffsetRMSNorm,
+    adopt,
+    gelu_tanh,
+    grown_capacity,
+    layer_step,
+    layer_step_input,
+    norm_linear,
+)
 from .quant import fuse_linears
 
 __all__ = ["GatedMLP", "FusedGatedMLP", "Rotary", "FusedQKV", "TTSCache", "TTSRows", "GemmaAttention", "FusedGemmaAttention",
@@ -51,7 +61,7 @@ class GatedMLP(nn.Module):
 
 class FusedGatedMLP(GatedMLP):
     """``prepare()``'s swap for :class:`GatedMLP`: gate and up as one matmul (``gate_up_proj``); on a CPU
-    the pre-norm, that matmul and the gate as one kernel (:func:`~nvchat_torch.layers.norm_linear`)."""
+    the pre-norm, that matmul and the gate as one kernel (:func:`~nvchat_torch.models.layers.norm_linear`)."""
 
     def __init__(self, mlp: GatedMLP):
         adopt(self, mlp)
@@ -171,7 +181,7 @@ class TTSCache:
 
     A global layer (``window`` None) keeps every position at slot = position. A sliding layer keeps
     the last ``window`` positions, the current one included, in a ring (slot = position % window).
-    Buffers grow on the host by :func:`~nvchat_torch.layers.grown_capacity` (a sliding one up to its
+    Buffers grow on the host by :func:`~nvchat_torch.models.layers.grown_capacity` (a sliding one up to its
     window, a global one up to ``limit``) and are written in place. ``offset``: positions written so far
     (warmup included), the next RoPE position.
     """

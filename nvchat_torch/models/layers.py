@@ -166,7 +166,7 @@ def layer_step_input(cls: type[S]) -> type[S]:
 
 
 class FusedOnCpu:
-    """A module with a fused CPU step (:mod:`~nvchat_torch.cpu_kernels`): ``prepare()`` calls
+    """A module with a fused CPU step (:mod:`~nvchat_torch.models.cpu_kernels`): ``prepare()`` calls
     :meth:`use_cpu_kernels` on a float32 CPU model, and the module then takes its fused op on the
     activations that op accepts (float32, contiguous CPU tensors), the composite code otherwise."""
 
@@ -192,7 +192,7 @@ def register_float32(module: nn.Module, name: str, tensor: torch.Tensor | None) 
 
 class FusedNorm(FusedOnCpu):
     """A norm whose fused CPU kernel also takes the projection that reads it (:func:`norm_linear`,
-    where torch's BLAS is reachable from the kernels: :func:`~nvchat_torch.cpu_kernels.blas`)."""
+    where torch's BLAS is reachable from the kernels: :func:`~nvchat_torch.models.cpu_kernels.blas`)."""
 
     def norm_spec(self) -> tuple:
         """``(kind, weight, bias, eps)`` as ``torch.ops.nvchat_cpu.norm_linear`` takes the norm."""

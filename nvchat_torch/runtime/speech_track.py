@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemma import TTSCache
-from .layers import grown_capacity
-from .tts import SpeechDecoder, TTSPrompt
+from ..models.gemma import TTSCache
+from ..models.layers import grown_capacity
+from ..models.tts import SpeechDecoder, TTSPrompt
 
 __all__ = ["SpeechTrack", "SpeechTracks", "TrackPosition", "TRACK_BYTES"]
 
@@ -49,7 +49,7 @@ class SpeechTrack:
     step: while the track is extended, its buffers grown and written as a session's own cache would be;
     at rest (:meth:`compact`), only the positions they hold. What a copy at an earlier position needs
     besides is kept per step (the codes, the generator states, the buffers' capacities: they grow by
-    history, :func:`~nvchat_torch.layers.grown_capacity`) and, for the sliding layers, the positions
+    history, :func:`~nvchat_torch.models.layers.grown_capacity`) and, for the sliding layers, the positions
     their rings have overwritten since. Not thread-safe: :class:`SpeechTracks` locks around it."""
 
     def __init__(self, speech: SpeechDecoder, prompt: TTSPrompt, seed: int | None) -> None:
@@ -104,7 +104,7 @@ class SpeechTrack:
         return added
 
     def extend(self) -> None:
-        """One more PAD step, as :meth:`~nvchat_torch.timeline.Timeline.speech` runs it, first keeping the
+        """One more PAD step, as :meth:`~nvchat_torch.runtime.timeline.Timeline.speech` runs it, first keeping the
         ring slots it overwrites."""
         if self.compacted:  # the buffers at their capacity again, as the step grows and reads them
             self.cache, self.compacted = self.position(self.steps).cache, False

@@ -1,6 +1,6 @@
 """The LLM and TTS timeline of one conversation at batch 1, as the reference runs it: the system
 prompt's prefill (the prompt on the user channel, the output channels at PAD) and the offline turn's
-steps. A streaming session's frames then run as a row of a :class:`~nvchat_torch.frame_step.FrameStep`,
+steps. A streaming session's frames then run as a row of a :class:`~nvchat_torch.runtime.frame_step.FrameStep`,
 which takes over the prefilled caches."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .diagnostics import return_freed_memory
-from .language_heads import fused_input, language_heads
-from .layers import REDUCED
-from .ssd_scan import SSD_CHUNK
+from ..diagnostics import return_freed_memory
+from ..models.language_heads import fused_input, language_heads
+from ..models.layers import REDUCED
+from ..models.nemotron_h import SSD_CHUNK
 
 if TYPE_CHECKING:
-    from .networks import VoiceChatNetworks
+    from ..networks import VoiceChatNetworks
 
 __all__ = ["Timeline", "PREFILL_CHUNK"]
 
@@ -74,7 +74,7 @@ class Timeline:
         inputs do not depend on its outputs, and each call continues the cache: the split changes the
         scan's rounding only, far below what flips an output), then the TTS, whose steps see PAD text
         only (position 0 runs none): on a fresh timeline the state after them is copied from the model's
-        prefill track (:mod:`~nvchat_torch.speech_track`; a piece per step the track still lacks, then the
+        prefill track (:mod:`~nvchat_torch.runtime.speech_track`; a piece per step the track still lacks, then the
         copy), exactly what the steps would leave, and any steps past what the track may hold run here one
         by one as the reference runs them. Each ``next`` yields whether more pieces may follow, so a caller
         (the engine's deferred prefill) can spread a long prompt over many frames of other sessions."""

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-from .config import ConfigError, QuantSpec, VoiceChatConfig
-from .quant import dequantize
+from ..models.config import ConfigError, QuantSpec, VoiceChatConfig
+from ..models.quant import dequantize
 from .safetensors_file import SafetensorsFile
 
 __all__ = [
@@ -277,7 +277,7 @@ class Checkpoint:
         if is_release_config(values):
             raise CheckpointError(f"{self.folder / 'config.json'}: NVIDIA release layout (NeMo's nested training "
                                   "config, no model_type): open it with nvchat_torch.load_model, "
-                                  "nvchat_torch.nvidia_release.ReleaseCheckpoint, or convert it with "
+                                  "nvchat_torch.loading.nvidia_release.ReleaseCheckpoint, or convert it with "
                                   "`python -m nvchat_torch.convert`")
 
     # ---- raw access

@@ -26,8 +26,21 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import CodecConfig
-from .layers import (REDUCED, Conv1d, FusedOnCpu, adopt, gelu_erf, mean_last, pointwise, rsqrt, scalar, softplus,
-                     squared_norms, swap_modules, var_last)
+from .layers import (
+    REDUCED,
+    Conv1d,
+    FusedOnCpu,
+    adopt,
+    gelu_erf,
+    mean_last,
+    pointwise,
+    rsqrt,
+    scalar,
+    softplus,
+    squared_norms,
+    swap_modules,
+    var_last,
+)
 
 __all__ = ["Codec", "CodecCache", "ConvNeXtBlock", "AudioEncoder", "AudioDecoder", "ResidualVectorQuantizer",
            "StackedCodebooks"]
