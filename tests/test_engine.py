@@ -14,6 +14,7 @@ from test_session import PROMPT, TEXT_CHANNELS, channel, run_reference_stream
 import nvchat_torch as nv
 from nvchat_torch import ContextLimit, StreamingOptions
 from nvchat_torch.diagnostics import OpCounter, count_host_reads
+from nvchat_torch.models.nemotron_h import KVCache
 from nvchat_torch.runtime.timeline import Timeline
 
 FRAME = 1280
@@ -303,7 +304,7 @@ def test_rows_keep_the_key_dtype_the_reference_keeps(make_checkpoint, waves):
     timeline = Timeline(model, seed=0, deterministic=True, use_language_cache=True)
     with torch.inference_mode():
         timeline.prefill(timeline.embed(torch.tensor([timeline.prompt_ids(PROMPT)])))
-    prompt_kv = [c for c in timeline.language_cache.layers if isinstance(c, nv.nemotron_h.KVCache)]
+    prompt_kv = [c for c in timeline.language_cache.layers if isinstance(c, KVCache)]
     assert prompt_kv and all(c.keys.dtype == torch.bfloat16 for c in prompt_kv)  # as the reference's prefill
     for h in (mine, other):
         h.push_audio(waves[0][:4 * FRAME], 16000)
@@ -312,7 +313,7 @@ def test_rows_keep_the_key_dtype_the_reference_keeps(make_checkpoint, waves):
     session.push_audio(waves[0][:4 * FRAME], 16000)
     rows = engine.frame_step.rows
     caches = [(c, s) for c, s in zip(engine.frame_step._language.layers, session._frame_step._language.layers)
-              if isinstance(c, nv.nemotron_h.KVCache)]
+              if isinstance(c, KVCache)]
     for ours, alone in caches:
         end = rows[mine.slot].llm_position
         assert end == session._frame_step.rows[0].llm_position == 4 + session.timeline_index - session.frame_index
