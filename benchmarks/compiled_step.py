@@ -100,7 +100,7 @@ def compile_time(path: Path, args) -> dict:
     (``NVCHAT_TORCH_COMPILE_STORE=off``), it finds torch's on-disk caches alone (inductor's FX graph
     and AOTAutograd caches) and traces the step again. (Each setting needs its own empty caches: a
     graph compiled ahead is cached under other keys than one compiled on its first call.)"""
-    from nvchat_torch.runtime.compiled_step import STORE_ENV
+    from nvchat_torch.runtime.graph_store import STORE_ENV
 
     cache = tempfile.mkdtemp(prefix="nvchat_inductor_")
     store = "off" if args.no_store else tempfile.mkdtemp(prefix="nvchat_store_")

@@ -38,7 +38,7 @@ from benchmarks.common import FRAME, generated_checkpoint, machine, test_signal
 from nvchat_torch.diagnostics import synchronize
 from nvchat_torch.models.language_heads import fused_input
 from nvchat_torch.models.layers import grown_capacity
-from nvchat_torch.runtime.prompt_cache import PromptCache
+from nvchat_torch.runtime.prompt import PromptCache
 
 PLACES = ["a small bakery", "a bicycle repair shop", "a dental practice", "a city library", "a hotel front desk",
           "a hardware store", "a veterinary clinic", "a flower shop", "a bus company", "a swimming pool",

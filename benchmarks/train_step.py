@@ -52,6 +52,7 @@ def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         adapters.add_lora(model, r=8, alpha=16)
+        adapters.freeze_packed(model)
         params = adapters.lora_parameters(model)
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.98))

@@ -4,9 +4,8 @@
     python -m nvchat_torch.client --mic --duration 20 --output answer.wav     # needs the `mic` extra
     python -m nvchat_torch.client --audio q.wav --tools tools.py              # run tools.py's functions as tools
 
-It prints the user transcript and the assistant's text as they arrive and writes the assistant's
-audio to a WAV. The model is full duplex: it needs audio after the question to answer in, so a
-file is followed by ``--tail-seconds`` of silence before the final commit.
+It prints the transcript and the assistant's text, and writes its audio to a WAV. The full-duplex
+model needs audio to answer in, so a file is followed by ``--tail-seconds`` of silence.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Make an mlx-community style card from NVIDIA's release: ``python -m nvchat_torch.convert SRC OUT --bits 4``.
 
-SRC is NVIDIA's release (``nvidia/NVIDIA-NemotronLabs-VoiceChat-11B`` or its folder: NeMo's nested
-config.json and one float32 model.safetensors). OUT gets what the mlx-community cards hold and what
-both this package and mlx-vlm load:
-
-* ``model.safetensors.index.json`` and shards: the LLM and vocabulary matrices quantized as
-  ``mx.quantize`` quantizes them (``--bits 4`` or ``8``, float32 scales and biases), every other float
-  tensor in bf16 (A_log float32), or everything in bf16 with ``--bits none``;
-* the flat runtime ``config.json`` with its ``quantization`` map;
-* the LLM tokenizer files (``--tokenizer``, default Nemotron-Nano-9B-v2's; ``fix_mistral_regex``
-  set, as mlx-vlm's converter sets it) and the release's ``rnnt_tokenizer/``.
-
-Tensors are converted one at a time as they are read and written straight into their shard, so the
-conversion holds one tensor (and one quantized matrix) at a time, whatever the model's size.
+OUT gets what the mlx-community cards hold, which both this package and mlx-vlm load. Tensors are
+converted one at a time as they are read, so the conversion holds one tensor at a time.
+Design: docs/checkpoints.md, "Making your own card".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """``python -m nvchat_torch.doctor``: what this machine runs, and how fast, as one Markdown block to
 paste into a bug report.
 
-It prints the versions (torch, Python, OS, chip), the devices, whether bf16 works on the device,
-each int4 kernel path with its self-test result, ``PYTORCH_ENABLE_MPS_FALLBACK`` and everything that
-fell back (a failed self-test, a kernel the device lacks, an op MPS ran on the CPU), memory, the
-model's kernel paths (``model.describe()``), then a streaming run (default 50 frames of the deep
-preset: tiny widths, the real depths, 4-bit, written once to a cache folder; or ``--model PATH``)
-with the profiler table, the kernels and host reads of a steady-state frame, and the real-time
-factor.
-
-With ``--compile`` it then compiles the frame step (``torch.compile``, one graph per frame), checks 20
-frames against the eager step (the same ids and codes), times both, and reports; if compiling fails it
-names the reason and the model runs eager.
-
     python -m nvchat_torch.doctor [--device mps|cuda|cpu] [--model PATH] [--frames 50] [--dtype bfloat16] [--compile]
+
+What it prints: docs/mps.md, "The doctor"; ``--compile``: docs/mps.md, "Compiling the frame step".
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import numpy as np
 from .audio_io import as_mono_float32
 from .events import ContextLimit, FrameTiming, StreamingOptions, VoiceChatEvent, VoiceChatProfile
 from .runtime.frame_step import FrameStep
-from .runtime.prompt_cache import PromptCache
+from .runtime.prompt import PromptCache
 from .runtime.step_plan import StepPlan, off_clock_steps
 from .session import AudioInput, StreamingSession
 from .turn_taking import TurnTakingConfig

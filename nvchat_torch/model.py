@@ -1,17 +1,10 @@
 """The whole NemotronLabs VoiceChat model and its loader.
 
-``VoiceChatModel`` has the checkpoint's module tree, so its state_dict keys are the checkpoint's:
-
-* ``stt_model`` (:class:`DuplexSTTModel`): ``embed_tokens``, ``llm`` (Nemotron-H), ``lm_head``,
-  ``function_head``, ``perception`` (log-mel + FastConformer + ``proj``), ``rnnt_decoder``, ``rnnt_joint``;
-* ``tts_model`` (:class:`~nvchat_torch.models.tts.SpeechDecoder`): EAR-TTS, the codec, the speaker prompt,
-  silence and control codes.
-
-:func:`load_model` builds the tree on the ``meta`` device (no memory), swaps in packed modules for
-what the checkpoint quantizes (when weights stay packed), then assigns the checkpoint's tensors one
-at a time on the target device: the model is never held twice. After loading it applies the
-documented speed-up transforms (:meth:`VoiceChatModel.prepare`): fused QKV / gate-up / head
-projections and, for 4-bit weights on a device with the kernel, torch's int4pack matmul.
+``VoiceChatModel`` has the checkpoint's module tree (``stt_model``, ``tts_model``), so its
+state_dict keys are the checkpoint's. :func:`load_model` builds the tree on the ``meta`` device and
+assigns the checkpoint's tensors one at a time, so the model is never held twice; then
+:meth:`VoiceChatModel.prepare` applies the speed-up transforms.
+Design: docs/api.md, "What each network computes" (the whole model).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Every ATen op the port dispatches, with its tensor dtypes, checked against what MPS can run.
 
-A CPU-only build registers no MPS kernels, so the check reads the ``native_functions.yaml`` the torch
-wheel ships (``torchgen/packaged/ATen/native/``): an op runs on MPS when its ``dispatch`` names
-``MPS`` or a composite key (``CompositeImplicitAutograd``, ``CompositeExplicitAutograd``,
-``CompositeExplicitAutogradNonFunctional``: built from other ops), when it has no ``dispatch`` (then it is
-CompositeImplicitAutograd), or when its ``structured_delegate`` (the ``.out`` variant that holds the
-kernels, as ``add.Tensor`` -> ``add.out``) does. MPS has no float64 and no complex tensors; bf16 needs
-macOS 14 and appears only where docs/parity.md has the reference compute in bf16: never for a float32
-checkpoint in the faithful mode (no bf16 tensor at all), and for the other layouts in the faithful
-mode only inside the networks its "dtype flow" table marks bf16 (:data:`BF16_NETWORKS`; an op's
-network is the innermost of the model's modules on its call stack, :data:`NETWORKS`).
-
 ``python -m nvchat_torch.op_audit [--write docs/mps.md]`` records the scenarios of :func:`audit`
-(load + prepare, prompt prefill and streaming frames, an engine step with a sampling and a
-deterministic row, offline ``generate``; for the 4-bit layout also load + prepare and frames through
-the MPS int4pack branch) for the float32, 4-bit and 8-bit card and bf16 layouts in both modes,
-prints the tables and writes them between the markers of docs/mps.md; tests/test_mps.py fails when
-an op without an MPS kernel or a bf16 call outside its networks appears, or docs/mps.md is stale.
+for each layout and mode, prints the tables and writes them between the markers of docs/mps.md.
+tests/test_mps.py fails when an op has no MPS kernel, bf16 appears outside its networks
+(:data:`BF16_NETWORKS`, :data:`NETWORKS`), or docs/mps.md is stale.
+Design and rules: docs/mps.md, "Op audit".
 """
 
 from __future__ import annotations

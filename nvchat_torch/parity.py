@@ -2,16 +2,9 @@
 
     python -m nvchat_torch.parity --model weights/NemotronLabs-VoiceChat-11B-4bit --audio examples/question.wav
 
-Runs mlx-vlm's streaming session and ours on the same input, in deterministic mode (the most
-likely TTS mixture component, no noise; everything else is greedy), and prints per-frame agreement
-of the text ids, function ids, transcript and the 31 codes, the first divergent frame with both
-sides' top-5 logits and the margin there, and the difference of the audio. Needs the ``parity``
-extra (``pip install nvchat_torch[parity]``): MLX on a Mac, or ``mlx[cpu]`` on Linux.
-
-It first prints the storage layout it found in the checkpoint and the mode our side runs in. In
-the faithful mode (``load_model``'s default) the discrete outputs should agree on every frame,
-whatever the layout. On a divergence it says whether the reference's logit margin there is within
-the mode's measured logit error (a near-tie that the mode cannot resolve) or beyond it (a bug).
+Runs mlx-vlm's streaming session and ours on the same input, in deterministic mode, and prints
+where they agree and the first divergent frame. Needs the ``parity`` extra
+(``pip install nvchat_torch[parity]``). What it reports: docs/parity.md, "Checking your own checkpoint".
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ from .events import (
 from .models.rnnt import TranscriptText
 from .runtime.frame_layout import PackedLayout
 from .runtime.frame_step import FrameInput, FrameStep
-from .runtime.prompt_cache import PromptCache
+from .runtime.prompt import PromptCache, prompt_ids
 from .runtime.step_plan import PLAIN, StepPlan, off_clock_steps
 from .runtime.timeline import Timeline
 from .tool_pipeline import ToolPipeline
-from .tools import ToolChannel, render_system_prompt
+from .tools import ToolChannel
 from .turn_taking import TurnTakingConfig, reasons_of
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class StreamingSession:
         ``own_frames=False``: the frames run as a row of someone else's FrameStep (the batched engine's),
         which takes the prefilled timeline; this session is then its host side only. ``prompt_cache``: a
         prompt prefilled before (same ids, seed, mode, dtype) is copied from it instead, and a new one is
-        kept in it (:class:`~nvchat_torch.runtime.prompt_cache.PromptCache`)."""
+        kept in it (:class:`~nvchat_torch.runtime.prompt.PromptCache`)."""
         self.model = model
         self.options = options
         cfg = self.config = model.config
@@ -92,7 +92,7 @@ class StreamingSession:
             self._frame_step = FrameStep(model, perception_cache=options.use_perception_cache,
                                      language_cache=options.use_language_cache) if own_frames else None
             self._slot: int | None = None
-            prompt = self._timeline.prompt_ids(_prompt_text(options.system_prompt, options.tools))
+            prompt = prompt_ids(model, options.system_prompt, options.tools)
             # The model's own limit: every LLM position (prompt and frames) within max_position_embeddings,
             # and the TTS positions (speaker prompt + the same timeline) within the rotary tables built at load.
             tts = model.tts_model.tts_model
@@ -359,20 +359,22 @@ class StreamingSession:
     # ---- what a frame step takes from this session and gives back (its own, or an engine's)
     def frame_input(self, samples: np.ndarray | None, plan: StepPlan | None = None) -> FrameInput:
         """This session's row of a frame step: the samples (None: a step off the clock), its generator (none
-        when deterministic), its tool channel (the ids it forces), what ``plan`` forces and speaks and
-        which networks step, and, with turn-taking, what holds it: a tool call in progress (from its
-        start-of-call token until its result has been fed in) or a forced text id."""
+        when deterministic), the ids its tool channel forces (taken off its queues here), what ``plan``
+        forces and speaks and which networks step, and, with turn-taking, what holds it: a tool call in
+        progress (from its start-of-call token until its result has been fed in) or a forced text id."""
         generator = None if self.options.deterministic else self._timeline.generator
         plan = plan or PLAIN
-        step = dict(text=plan.text, spoken=plan.spoken, thinks=plan.thinks, speaks=plan.speaks)
-        if self.options.turn_taking is None:
-            return FrameInput(samples, generator, self._tools, **step)
         tools = self._tools
-        in_call = tools.in_call or bool(tools.awaiting) or tools.injecting or (self.pipeline is not None and
-                                                                              self.pipeline.active)
-        forced = tools.text_forced or plan.text >= 0
-        return FrameInput(samples, generator, tools, held=in_call or forced or not plan.thinks,
-                          pad_text=in_call and not forced, call_start=tools.start_id if tools.parsing else -1, **step)
+        step: dict[str, Any] = dict(text=plan.text, spoken=plan.spoken, thinks=plan.thinks, speaks=plan.speaks)
+        if self.options.turn_taking is not None:  # what holds the row, read before the queues are taken
+            in_call = tools.in_call or bool(tools.awaiting) or tools.injecting or (self.pipeline is not None and
+                                                                                  self.pipeline.active)
+            forced = tools.text_forced or plan.text >= 0
+            step.update(held=in_call or forced or not plan.thinks, pad_text=in_call and not forced,
+                        call_start=tools.start_id if tools.parsing else -1)
+        if plan.thinks and tools.forcing:  # force_tokens / a tool result: a step's own text id goes first
+            step["forced"] = tools.take_forced(text_too=plan.text < 0)
+        return FrameInput(samples, generator, **step)
 
     def set_turn_taking(self, config: TurnTakingConfig | Mapping[str, Any] | None) -> None:
         """Turn-taking from the next frame on (see ``StreamingOptions.turn_taking``): switched on it starts
@@ -430,11 +432,6 @@ class StreamingSession:
 # Offline
 
 
-def _prompt_text(system_prompt: str | None, tools: Sequence[dict] | None) -> str | None:
-    """With tools, NVIDIA's function-calling prompt; without, the system prompt as given."""
-    return render_system_prompt(system_prompt, tools) if tools else system_prompt
-
-
 def _load_audio(audio: AudioInput | str | Path, sample_rate: int) -> np.ndarray:
     if isinstance(audio, (str, Path)):
         samples, _ = prepare_input(audio, sample_rate)
@@ -468,7 +465,7 @@ def generate_offline(model: VoiceChatNetworks, audio: AudioInput | str | Path, *
         frames = projected.shape[1] if max_frames is None else min(projected.shape[1], max_frames)
         projected, encoded = projected[:, :frames], encoded[:, :frames]
         timeline = Timeline(model, seed, deterministic, use_language_cache)
-        prompt = timeline.prompt_ids(_prompt_text(system_prompt, tools))
+        prompt = prompt_ids(model, system_prompt, tools)
         if prompt:
             timeline.prefill(model.stt_model.embed_tokens(torch.tensor([prompt], device=device)).to(projected.dtype))
         ids, codes = [], []

@@ -1,14 +1,9 @@
 """What the assistant says while a tool call is written and while the tool runs, and how the result is spelled.
 
-NVIDIA's streaming pipeline (NeMo branch ``nemotron-labs-voicechat``; P =
-``nemo/collections/speechlm2/inference/pipelines/streaming_s2s_pipeline.py``, W =
-``nemo/collections/speechlm2/inference/model_wrappers/nemotron_voicechat_inference_wrapper.py``, Y =
-``examples/speechlm2/nemo_inference_pipelines/conf/s2s_streaming.yaml``) speaks short phrases through the
-TTS during a tool call: an acknowledgement while the model writes the call, an on-hold line once the call
-is written (Layer 1), up to two generic lines while the tool is still running (Layer 2), then it waits up
-to a timeout and injects the result, its numbers spelled out in words. This module is the configuration
-of that: :class:`ToolHold`, the phrase layout (:func:`layout_phrase`) and the number spelling
-(:func:`spell_numbers`, :func:`tool_response_text`). The session drives the phases (docs/tools.md).
+This is the configuration of NVIDIA's spoken tool phases: :class:`ToolHold`, the phrase layout
+(:func:`layout_phrase`) and the number spelling (:func:`spell_numbers`, :func:`tool_response_text`).
+The session drives the phases.
+Design, with NeMo's line numbers: docs/tools.md, "Speaking while a tool runs".
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """NVIDIA's two-phase tool pipeline for one session: a tool call is written and its result injected off
-the clock, and the assistant speaks while it does (docs/tools.md, "Speaking while a tool runs").
+the clock, and the assistant speaks while it does.
 
-NeMo, branch ``nemotron-labs-voicechat``, commit 7bc52b9689cc: W =
-``nemo/collections/speechlm2/inference/model_wrappers/nemotron_voicechat_inference_wrapper.py``, P =
-``nemo/collections/speechlm2/inference/pipelines/streaming_s2s_pipeline.py``. The stages:
-
-* **idle**: the conversation on the clock.
-* **writing** (phase 1, W 1179-1772, triggered at the start-of-call token, W 2179-2184): steps off the
-  clock until the end-of-call token, the text channel at PAD (W 1579), the TTS speaking the
-  acknowledgement one id a step (W 1479-1490), its speech kept.
-* **waiting** (P 1641-1736): the LLM stands still. Each frame the session is given (or, in the
-  server, each tick) is one step of the TTS alone: the rest of the acknowledgement, the tool's
-  on-hold phrase, then up to ``max_generic`` generic phrases, each after ``generic_gap_s`` of silence
-  with the result checked every frame, then silence up to ``timeout_s``, past which the timeout result
-  is the tool's. A started phrase always finishes.
-* **injecting** (phase 2, P 1737-1760, W 1285-1298, 1587-1593): the result's tokens replace the
-  function channel's output one step each, off the clock, the text at PAD and the speech not kept;
-  then one more such step, where the model writes the end of the response itself (W 1595-1660: the
-  loop ends one step after the last forced token). Then the conversation resumes on the clock.
-
-The session asks :meth:`ToolPipeline.off_clock` for a step to run now (writing, injecting) before each
-frame and after each step, and :meth:`ToolPipeline.frame_plan` how a frame runs (waiting: the TTS alone,
-or silence); :meth:`ToolPipeline.after` follows each step's events. Turn-taking holds the row
-throughout (the session's ``frame_input``), as NVIDIA skips it during a call (W 2497-2514).
+The stages are idle, writing, waiting and injecting. The session asks :meth:`ToolPipeline.off_clock`
+for a step to run now, :meth:`ToolPipeline.frame_plan` how a frame runs, and
+:meth:`ToolPipeline.after` follows each step's events.
+Design, with NeMo's line numbers: docs/tools.md, "Speaking while a tool runs" and "How it runs".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Tool calls: the tools in the system prompt, calls parsed from the function channel, results fed back.
 
-The format is the one the checkpoint was trained on (NVIDIA's NeMo ``nemotron-labs-voicechat``
-branch: the function-calling ``template.jinja``, the offline function-calling script and the
-streaming wrapper's function-call state machine):
-
-* The system prompt with tools (:func:`render_system_prompt`): the instructions, a blank line, the
-  tool list as ``<AVAILABLE_TOOLS>[...]</AVAILABLE_TOOLS>`` and the format paragraphs.
-* A call on the function channel: ``<SPECIAL_20>`` ... ``<SPECIAL_21>``, the tokens between
-  (PAD dropped) decoding to ``<TOOLCALL>[{"name": ..., "arguments": {...}}]</TOOLCALL>``.
-* A result: ``<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>`` (:func:`format_tool_response`), tokenised
-  and fed one token per frame into the function channel: each token replaces the model's function
-  output of its frame, so it is the next frame's function input, and the text channel is held at PAD
-  meanwhile. The model then emits ``<SPECIAL_22>`` (end of tool response) by itself.
-
-:class:`ToolChannel` is the per-session state the streaming session drives: it parses calls from
-the function ids the frame loop already reads, and keeps the queue of forced ids
+The format is the one the checkpoint was trained on, from NVIDIA's NeMo ``nemotron-labs-voicechat``
+branch. :class:`ToolChannel` is the per-session state the streaming session drives: it parses calls
+from the function ids the frame loop already reads, and keeps the queue of forced ids
 (:meth:`StreamingSession.force_tokens`, tool results), which it substitutes on the device.
+Design and format: docs/tools.md, "The API".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """NVIDIA's turn-taking policy: the RNNT transcript head decides when the agent starts and stops.
 
-The raw model decides alone when to speak (its text channel's BOS ... EOS). NVIDIA's realtime
-pipeline (NeMo branch ``nemotron-labs-voicechat``, ``nemotron_voicechat_inference_wrapper.py``:
-``_rnnt_step`` and ``_apply_rnnt_turn_taking``; stock values in ``s2s_streaming.yaml``) rewrites the
-text id of each frame with a small state machine over the RNNT's blank / non-blank frames:
-
-* end of utterance: ``eou_frames`` blank frames after confirmed user speech force the agent's BOS;
-* barge-in: ``barge_in_frames`` consecutive non-blank frames while the agent speaks force its EOS;
-* first-turn fallback: from frame ``first_turn_fallback_frames``, confirmed speech on the first turn
-  starts the agent;
-* self-play suppression (off in NVIDIA's preset): the model's own BOS is dropped while no user
-  speech is confirmed.
-
-:class:`TurnTaking` runs one frame of those rules for a batch of conversations at once, on the
-device, with tensor ops only (no host read). Every state is per row, the density included
-(NVIDIA's wrapper holds the density for its whole batch whenever any row speaks; a row here never
-depends on its neighbours). Where NVIDIA's code and a description of it differ, this follows the
-code (docs/usage.md, Turn-taking).
-
-:meth:`TurnTaking.punctuate` is the related display rule of the same pipeline
-(``rnnt_punct_bias_*``): after the user said words and paused, blank frames raise the punctuation
-pieces' joint logits so the transcript gets sentence ends. It never changes ``user_blank``.
+:class:`TurnTaking` rewrites each frame's text id with NVIDIA's rules (end of utterance, barge-in,
+first-turn fallback, self-play suppression), for a batch of rows on the device with no host read.
+Every state is per row. :meth:`TurnTaking.punctuate` is the pipeline's transcript punctuation bias.
+Design, rules and stock values: docs/turn_taking.md; where we differ from NVIDIA: docs/usage.md,
+"Turn-taking".
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ _SKIPPED: list[str] = []
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_store(tmp_path_factory):
-    """The compiled frame steps the tests store (nvchat_torch.runtime.compiled_step.default_store) go to a
+    """The compiled frame steps the tests store (nvchat_torch.runtime.graph_store.default_store) go to a
     folder of this run's, not the user's cache."""
-    from nvchat_torch.runtime.compiled_step import STORE_ENV
+    from nvchat_torch.runtime.graph_store import STORE_ENV
 
     before = os.environ.get(STORE_ENV)
     os.environ[STORE_ENV] = str(tmp_path_factory.mktemp("compiled"))

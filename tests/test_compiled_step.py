@@ -217,7 +217,8 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
     """Where compiled graphs are kept (``NVCHAT_TORCH_COMPILE_STORE``, else the user's cache), that only
     inductor without CUDA graphs keeps them, and that a stored file that cannot be loaded is reported
     and compiled again (not raised, not run)."""
-    from nvchat_torch.runtime.compiled_step import STORE_ENV, CompiledStep, StepCompiler, default_store
+    from nvchat_torch.runtime.compiled_step import CompiledStep, StepCompiler
+    from nvchat_torch.runtime.graph_store import STORE_ENV, default_store
 
     monkeypatch.setenv(STORE_ENV, "off")
     assert default_store() is None and "not kept (no store)" in StepCompiler(torch.device("cpu")).describe()
@@ -226,9 +227,9 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
     monkeypatch.delenv(STORE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_store() == tmp_path / "xdg" / "nvchat_torch" / "compiled"
-    assert StepCompiler(torch.device("cpu"), store=tmp_path).stores
-    assert not StepCompiler(torch.device("cpu"), "aot_eager", store=tmp_path).stores
-    assert not StepCompiler(torch.device("cpu"), mode="reduce-overhead", store=tmp_path).stores
+    assert StepCompiler(torch.device("cpu"), store=tmp_path).keeps
+    assert not StepCompiler(torch.device("cpu"), "aot_eager", store=tmp_path).keeps
+    assert not StepCompiler(torch.device("cpu"), mode="reduce-overhead", store=tmp_path).keeps
 
     class Owner:
         def step(self, step, stamps):
@@ -236,9 +237,9 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
 
     compiler = StepCompiler(torch.device("cpu"), store=tmp_path)
     compiled = CompiledStep(compiler, Owner().step, list)
-    broken = compiled._variants("k")[0]
+    broken = compiled.store.variants("k")[0]
     broken.write_bytes(b"not a compiled graph")
-    assert compiled._load("k", ()) is None and compiler.loaded == 0 and not broken.exists()
+    assert compiled.store.load("k", ()) is None and compiler.loaded == 0 and not broken.exists()
     assert "frame-step-k.bin could not be loaded" in compiler.describe() and "compiled again" in compiler.describe()
     # Inductor writes the CPU thread count into its parallel loops: a graph is kept per count.
     Owner.model = torch.nn.Linear(2, 2)
@@ -247,7 +248,7 @@ def test_the_store_is_where_the_environment_says_and_a_broken_file_is_compiled_a
         keys = set()
         for n in (1, 2):
             torch.set_num_threads(n)
-            keys.add(compiled._key(()))
+            keys.add(compiled.store.key(()))
     finally:
         torch.set_num_threads(threads)
     assert len(keys) == 2
@@ -259,7 +260,8 @@ def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, 
     graph to this process, which says why and compiles the model's next graphs itself; a child whose
     aot_compile fails is the failure it is here (torch.compile's own path follows). A child that
     succeeds runs in the inductor parity test above."""
-    from nvchat_torch.runtime.compiled_step import CompiledStep, StepCompiler, _CannotStore
+    from nvchat_torch.runtime.compiled_step import CompiledStep, StepCompiler
+    from nvchat_torch.runtime.graph_store import CannotKeep, GraphStore
 
     parent = os.getpid()
 
@@ -276,15 +278,15 @@ def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, 
             raise MemoryError("no room for the compiler")
         return Graph()
 
-    monkeypatch.setattr(CompiledStep, "_compile", compile_here_only)
+    monkeypatch.setattr(GraphStore, "compile", compile_here_only)
     compiler = StepCompiler(torch.device("cpu"), store=tmp_path)
     assert compiler.compiles_in_child and "compiled here, in a child process" in compiler.describe()
     compiled = CompiledStep(compiler, Owner().step, list)
     with pytest.warns(UserWarning, match=r"compiled in this process: the child process could not compile or "
                                          r"store the graph \(MemoryError: no room for the compiler\)"):
-        graph = compiled._compile_ahead("k", ())
+        graph = compiled.store.compile_ahead("k", ())
     assert isinstance(graph, Graph) and compiler.precompiled == 1 and compiler.loaded == 0
-    assert compiled._variants("k")[0].read_bytes() == b"graph"
+    assert compiled.store.variants("k")[0].read_bytes() == b"graph"
     assert not compiler.compiles_in_child and "compiled here, in this process" in compiler.describe()
 
     def no_fork():
@@ -294,16 +296,16 @@ def test_a_child_that_cannot_compile_leaves_the_graph_to_this_process(tmp_path, 
         m.setattr(os, "fork", no_fork)
         unforked = StepCompiler(torch.device("cpu"), store=tmp_path / "unforked")
         with pytest.warns(UserWarning, match=r"compiled in this process: no child process could be made"):
-            assert isinstance(CompiledStep(unforked, Owner().step, list)._compile_ahead("k", ()), Graph)
+            assert isinstance(CompiledStep(unforked, Owner().step, list).store.compile_ahead("k", ()), Graph)
         assert unforked.precompiled == 1 and (tmp_path / "unforked" / "frame-step-k.bin").is_file()
 
     def cannot(self, args):
-        raise _CannotStore("aot_compile failed: RuntimeError: unsupported")
+        raise CannotKeep("aot_compile failed: RuntimeError: unsupported")
 
-    monkeypatch.setattr(CompiledStep, "_compile", cannot)
+    monkeypatch.setattr(GraphStore, "compile", cannot)
     other = StepCompiler(torch.device("cpu"), store=tmp_path / "other")
-    with pytest.raises(_CannotStore, match="aot_compile failed: RuntimeError: unsupported"):
-        CompiledStep(other, Owner().step, list)._compile_ahead("k", ())
+    with pytest.raises(CannotKeep, match="aot_compile failed: RuntimeError: unsupported"):
+        CompiledStep(other, Owner().step, list).store.compile_ahead("k", ())
     assert other.precompiled == 0 and not (tmp_path / "other").exists()
 
 

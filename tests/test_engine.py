@@ -15,6 +15,7 @@ import nvchat_torch as nv
 from nvchat_torch import ContextLimit, StreamingOptions
 from nvchat_torch.diagnostics import OpCounter, count_host_reads
 from nvchat_torch.models.nemotron_h import KVCache
+from nvchat_torch.runtime.prompt import prompt_ids
 from nvchat_torch.runtime.timeline import Timeline
 
 FRAME = 1280
@@ -303,7 +304,7 @@ def test_rows_keep_the_key_dtype_the_reference_keeps(make_checkpoint, waves):
     session = model.create_streaming_session(system_prompt=PROMPT, deterministic=True)
     timeline = Timeline(model, seed=0, deterministic=True, use_language_cache=True)
     with torch.inference_mode():
-        timeline.prefill(timeline.embed(torch.tensor([timeline.prompt_ids(PROMPT)])))
+        timeline.prefill(timeline.embed(torch.tensor([prompt_ids(model, PROMPT)])))
     prompt_kv = [c for c in timeline.language_cache.layers if isinstance(c, KVCache)]
     assert prompt_kv and all(c.keys.dtype == torch.bfloat16 for c in prompt_kv)  # as the reference's prefill
     for h in (mine, other):

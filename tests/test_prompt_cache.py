@@ -1,4 +1,4 @@
-"""The engine's cache of prefilled prompts (nvchat_torch.runtime.prompt_cache): a session with a prompt kept there
+"""The engine's cache of prefilled prompts (nvchat_torch.runtime.prompt): a session with a prompt kept there
 joins at once, and its frames equal those of a fresh prefill; the cache is keyed by what determines a
 prefill and bounded in bytes, least recently used first out."""
 
@@ -11,7 +11,7 @@ import torch
 from test_server import EXAMPLE
 
 import nvchat_torch as nv
-from nvchat_torch.runtime.prompt_cache import PromptCache
+from nvchat_torch.runtime.prompt import PromptCache
 
 PROMPT = "You are a helpful voice assistant. Answer in one short sentence."
 

@@ -19,6 +19,7 @@ from test_session import channel, run_reference_stream
 
 import nvchat_torch as nv
 from nvchat_torch.model import VoiceChatModel
+from nvchat_torch.runtime.prompt import prompt_ids
 from nvchat_torch.runtime.speech_track import TRACK_BYTES
 from nvchat_torch.runtime.timeline import PREFILL_CHUNK, Timeline
 from nvchat_torch.training import adapters
@@ -65,7 +66,7 @@ def model(request):
 
 
 def tokens(model, prompt: str) -> int:
-    return len(Timeline(model, 0, True, True).prompt_ids(prompt))
+    return len(prompt_ids(model, prompt))
 
 
 def options(prompt: str, deterministic: bool, seed: int = 3) -> nv.StreamingOptions:
@@ -105,7 +106,7 @@ def sequential(model, prompt: str, deterministic: bool, wave: np.ndarray, seed: 
 def prefilled(model, prompt: str, deterministic: bool, seed: int = 3) -> Timeline:
     timeline = Timeline(model, seed, deterministic, True)
     with torch.inference_mode():
-        timeline.prefill(timeline.embed(torch.tensor([timeline.prompt_ids(prompt)])))
+        timeline.prefill(timeline.embed(torch.tensor([prompt_ids(model, prompt)])))
     return timeline
 
 

@@ -94,7 +94,7 @@ def test_forwards_give_the_sessions_ids_and_codes(layout, wave, request):
     steps = codes[1:]
     with torch.no_grad():
         for _ in range(2):
-            tts = tr.tts_forward(model, ids[1:, 0], steps, deterministic=True)
+            tts = tr.teacher_forced_codes(model, ids[1:, 0], steps)
             picks = tts.codes[0]
             clean = model.tts_model.replace_control_codes(picks)
             steps = torch.where(clean == codes[1:], picks, codes[1:])
@@ -412,6 +412,7 @@ def test_merged_4bit_card_holds_the_requantized_sum(tmp_path):
     untouched = {k: v.clone() for k, v in model.stt_model.lm_head.state_dict().items()}
     names = adapters.add_lora(model, r=2, alpha=4, targets=adapters.LLM_TARGETS,
                               generator=torch.Generator().manual_seed(0))
+    adapters.freeze_packed(model)
     _train_adapter(model, example, steps=1)
     name = names[0]
     layer = adapters.lora_modules(model)[name]
@@ -436,6 +437,7 @@ def test_lora_over_the_int4pack_kernel_trains_like_the_mlx_packing():
         if int4:
             assert pack_int4(model, dtype=torch.float32) > 0
         adapters.add_lora(model, r=2, alpha=4, targets=adapters.LLM_TARGETS, generator=torch.Generator().manual_seed(0))
+        adapters.freeze_packed(model)
         for m in adapters.lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B.weight, std=0.1, generator=torch.Generator().manual_seed(1))
         assert any(isinstance(m.base_layer, Int4PackedLinear) for m in adapters.lora_modules(model).values()) == int4

@@ -1,19 +1,10 @@
 """NVIDIA's own release, ``nvidia/NVIDIA-NemotronLabs-VoiceChat-11B``, read directly.
 
-The release is one unsharded float32 ``model.safetensors`` whose keys (``stt_model.*``,
-``tts_model.*``) and layouts are the ones the mlx-community cards keep, NeMo's whole nested
-training ``config.json`` (no ``model_type``), and no LLM tokenizer (it is
-``nvidia/NVIDIA-Nemotron-Nano-9B-v2``'s). This module
-
-* maps the nested config to the flat runtime config the cards carry (:func:`runtime_config`,
-  the mapping of mlx-vlm's ``build_runtime_config``, with ``rnnt_blank_id`` derived from the RNNT
-  vocabulary instead of fixed at 1024);
-* opens the file as a :class:`~nvchat_torch.loading.checkpoint.Checkpoint` (:class:`ReleaseCheckpoint`),
-  checking every key and shape against the config before anything is read;
-* optionally presents it as the card made from it (:meth:`ReleaseCheckpoint.as_card`): the LLM and
-  vocabulary matrices quantized as ``mx.quantize`` does (float32 scales), every other float tensor
-  in bf16. Each tensor is converted as it is read, a few million weights at a time, so a load peaks
-  near the converted size, never the float32 one.
+This module maps NeMo's nested config to the flat runtime config the cards carry
+(:func:`runtime_config`), opens the float32 file as a :class:`ReleaseCheckpoint` (every key and shape
+checked against the config before anything is read), and can present it as the card made from it
+(:meth:`ReleaseCheckpoint.as_card`), converting each tensor as it is read.
+Design: docs/checkpoints.md, "NVIDIA's release".
 """
 
 from __future__ import annotations

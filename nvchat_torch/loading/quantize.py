@@ -1,20 +1,9 @@
 """MLX's affine quantizer, reproduced exactly: the codes, scales and biases ``mx.quantize`` gives.
 
-``nvchat_torch.models.quant.quantize_affine`` writes a valid MLX encoding (plain min/max per group), but
-not the one MLX writes: ``mx.quantize`` snaps the group's edge. Its CPU kernel
-(``mlx/backend/cpu/quantized.cpp``, ``quantize``), per group of ``group_size`` consecutive
-elements of a row, in float32:
-
-* ``scale = max((max - min) / (2^bits - 1), 1e-7)``, negated unless ``|min| > |max|``;
-* the edge is ``min`` if ``|min| > |max|``, else ``max``; ``q0 = rint(edge / scale)``; if
-  ``q0 != 0`` then ``scale = edge / q0`` and ``bias = edge``, else ``bias = 0``;
-* ``q = clamp(rint((w - bias) / scale), 0, 2^bits - 1)``, packed as an LSB-first bit stream per row;
-* ``scales`` and ``biases`` are stored in the weight's dtype (float32 weights: float32 scales, the
-  mlx-community cards' layout).
-
-``rint`` rounds half to even, as ``torch.round`` does. Non-finite weights are not reproduced (MLX's
-min/max skip NaN and its integer cast of NaN is undefined); the loaders warn about them.
-This is what lets a release quantized here equal the card made from it by MLX.
+``nvchat_torch.models.quant.quantize_affine`` writes a valid MLX encoding (plain min/max per group),
+but not the one MLX writes: ``mx.quantize`` snaps the group's edge. This is what lets a release
+quantized here equal the card made from it by MLX.
+The algorithm, step by step: docs/checkpoints.md, "MLX's quantizer, step by step".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """One tensor of a safetensors file at a time, read into memory the tensor owns.
 
-safetensors' own ``safe_open`` maps the whole file and copies a tensor out of the map; the pages it
-touched stay mapped, and counted in the process's resident memory, until the file is closed. A
-checkpoint's loader reads every tensor once, so by the end of the 11B model's 9 GB of shards the
-process held them all twice over: the copies it keeps and the mapped pages (measured: peak RSS of
-the full-size 4-bit load 18 GB, half of it file pages; docs/performance.md). Here each tensor is
-read with positioned reads straight into its own storage: the file's pages go through the kernel's
-page cache, which is not the process's memory, and nothing of the file stays mapped. The format
-(an 8-byte little-endian header length, a JSON header of dtype, shape and byte offsets, then the
-data) is read from the file itself.
+safetensors' ``safe_open`` leaves every page it touched mapped, and counted in resident memory, until
+the file is closed. Here each tensor is read with positioned reads straight into its own storage,
+and nothing of the file stays mapped.
+Why, with measurements: docs/checkpoints.md, "Reading safetensors without a map".
 """
 
 from __future__ import annotations

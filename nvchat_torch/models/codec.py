@@ -1,18 +1,9 @@
 """The speech codec: 31 x 1024 residual VQ codes <-> 22.05 kHz waveform through a 16-point iSTFT.
 
-Checkpoint prefix ``tts_model.audio_codec``. Decoding sums the 31 codebook rows of each code
-frame into one latent, upsamples it x9, x7, x7 with kernel = stride transposed convolutions
-interleaved with causal ConvNeXt blocks into 441 spectral frames, and turns those into 1764
-samples with an inverse real DFT (a matmul with float32 bases) and a windowed overlap-add
-(one ``conv_transpose1d``). No complex tensors and no ``torch.fft``, so it runs on mps too.
-
-Streaming (``decode_step``) keeps, per decoder ConvNeXt block, the last ``kernel - 1`` input
-frames and the last 4 spectral frames; every call then returns exactly one sample-continuous
-frame of 1764 samples, equal to the offline decode delayed by 8 samples.
-
-The encoder (waveform -> codes) is only used once per session, to encode the silent warmup
-prompt; it mirrors the reference's float32 spectrogram, which promotes every encoder layer
-and the greedy residual quantization to float32 whatever the weight dtype.
+Checkpoint prefix ``tts_model.audio_codec``. No complex tensors and no ``torch.fft``, so it runs on
+MPS too. ``decode_step`` returns one sample-continuous frame of 1764 samples per call, equal to the
+offline decode delayed by 8 samples. The encoder only encodes the silent warmup prompt.
+Design: docs/api.md, "What each network computes" (the codec).
 """
 
 from __future__ import annotations
@@ -263,15 +254,12 @@ class StackedCodebooks(ResidualVectorQuantizer):
 
 @dataclass
 class CodecCache:
-    """Streaming state of one decode stream, fixed-size.
+    """Streaming state of one decode stream, fixed-size. ``blocks`` are in the model dtype, and each
+    step replaces them. ``spectrum`` holds real parts, then imaginary parts: the overlap of the next
+    call's iSTFT."""
 
-    ``blocks``: per decoder ConvNeXt block, its last ``kernel - 1`` input frames ``[B, C, 6]``
-    (model dtype; each step replaces the entry). ``spectrum``: the last 4 spectral frames ``[B, 2 * bins, 4]`` (float32,
-    real parts then imaginary parts), the overlap of the next call's iSTFT.
-    """
-
-    blocks: list[torch.Tensor]
-    spectrum: torch.Tensor
+    blocks: list[torch.Tensor]  # per ConvNeXt block, its last kernel - 1 inputs [B, C, 6]
+    spectrum: torch.Tensor  # last 4 spectral frames [B, 2 * bins, 4], float32
 
     @property
     def batch(self) -> int:

@@ -346,10 +346,8 @@ class ConformerCache:
     conv: list[torch.Tensor]
     mel: torch.Tensor
     frames: torch.Tensor
-    # Host-side knowledge (the engine sets it from its rows; a lone stream keeps it): the frames every
-    # row has run at least, and whether they have all run that many. Once all rows are past their
-    # first frames their mel windows need no masking; aligned rows attend the ring slots filled so far
-    # (a slice), and rows at different frames mask theirs until every ring is full.
+    # What a stream stepped without ConformerRows knows on the host (see ConformerRows.least); a batched
+    # caller gives its rows' in the ConformerRows it passes.
     least: int = 0
     aligned: bool = True
 
@@ -364,6 +362,11 @@ class ConformerRows:
     columns: torch.Tensor  # [B, W] distance-table column of every ring slot
     mask: torch.Tensor | None  # [B, 1, 1, length] 0 for filled slots, -inf before a row's first frames (None: all filled)
     length: int  # the ring slots attended: W, or the filled ones of aligned rows
+    # Host-side: the frames every row has run at least, and whether they have all run that many. Once all
+    # rows are past their first frames their mel windows need no masking; aligned rows attend the ring
+    # slots filled so far (a slice), and rows at different frames mask theirs until every ring is full.
+    least: int = 0
+    aligned: bool = False
 
 
 class FastConformer(nn.Module, FusedOnCpu):
@@ -495,12 +498,14 @@ class FastConformer(nn.Module, FusedOnCpu):
         length = min(cache.least + 1, w) if cache.aligned else w
         ring = self.ring_slots[:length]
         return ConformerRows(batch=torch.arange(n.shape[0], device=n.device), slot=slot,
-                             columns=(ring - slot[:, None]) % w, mask=self.ring_mask(n, cache), length=length)
+                             columns=(ring - slot[:, None]) % w, mask=self.ring_mask(n, cache.least, cache.aligned),
+                             length=length, least=cache.least, aligned=cache.aligned)
 
-    def ring_mask(self, frames: torch.Tensor, cache: ConformerCache) -> torch.Tensor | None:
-        """``[B, 1, 1, W]``: 0 on the slots each row has filled, -inf on the rest; None when no row needs it."""
+    def ring_mask(self, frames: torch.Tensor, least: int, aligned: bool) -> torch.Tensor | None:
+        """``[B, 1, 1, W]``: 0 on the slots each row has filled, -inf on the rest; None when no row needs it
+        (``least``, ``aligned``: see :class:`ConformerRows`)."""
         w = self.left + 1
-        if cache.aligned or cache.least >= w - 1:
+        if aligned or least >= w - 1:
             return None
         return torch.where(self.ring_slots <= frames[:, None], 0.0, float("-inf"))[:, None, None]
 
@@ -517,17 +522,18 @@ class FastConformer(nn.Module, FusedOnCpu):
         mel = mel.to(self.activation_dtype)
         m, s = self.mel_context, self.subsampling
         n = cache.frames
+        alone = rows is None  # a stream stepped by itself keeps its host-side counts in the cache
+        rows = self.rows_for(cache) if rows is None else rows
         window = torch.cat([cache.mel, mel], dim=1)  # [B, m + s, F]
         cache.mel.copy_(window[:, -m:])
         # Mel frames this row has pushed, this one's included: 1, 1 + s, ...; the window starts at m + s minus
         # that (full from a row's frame -(-m // s) on).
         starts = None
-        if cache.least < -(-m // s):
+        if rows.least < -(-m // s):
             starts = m + s - torch.where(n == 0, 1, 1 + s * n).clamp(max=m + s)
         x = self.pre_encode(window, last_only=True, starts=starts)
         if self.xscale is not None:
             x = x * self.xscale
-        rows = self.rows_for(cache) if rows is None else rows
         # Each row's slots' distance terms, for every layer at once: the stacked tables (fused), or the
         # shared distance table that each layer then projects; the fused CPU step reads each layer's
         # table at the rows' columns itself (the gather grows with the rows: 70 us at 1, 350 at 8).
@@ -540,5 +546,6 @@ class FastConformer(nn.Module, FusedOnCpu):
         for i, (layer, kv) in enumerate(zip(self.layers, cache.kv)):
             x, cache.conv[i] = _layer_step(layer, x, kv, cache.conv[i], rows, positions[i])
         cache.frames = n + 1
-        cache.least += 1
+        if alone:
+            cache.least += 1
         return x

@@ -1,37 +1,10 @@
 """Fused CPU kernels for the float32 streaming step: one kernel where the composite torch code
 launches several (``cpu_kernels.cpp``, registered as ``torch.ops.nvchat_cpu.*``).
 
-A batch-1 frame on a CPU is bound by per-op dispatch (docs/performance.md): the Mamba step's
-elementwise tail, the RVQ search, the Conformer convolution module's middle and the Gemma MLP's
-gate are each a chain of small ATen kernels that the MLX reference runs as fused or compiled
-kernels. These ops are those chains as single C++ loops:
-
-* ``mamba_step``: conv window + SiLU, the state shift, softplus/decay, the SSM update and readout,
-  the D skip and the gated grouped RMS norm (16 kernels per Mamba layer -> 1);
-* ``rvq_assign``: a MoG draw's greedy codebook assignment, each quantizer's distances one BLAS product
-  for all rows (4 kernels per quantizer -> 1 per draw);
-* ``conv_module_step``: GLU, the causal depthwise conv with its state, LayerNorm, SiLU (5 -> 1);
-* ``conformer_attention_step``: the ring write, position scores and attention over the ring (3 -> 1);
-* ``gemma_qk_step``: the q/k norms, their scale, RoPE and the K/V write (5 -> 1; SDPA, vectorized
-  for the TTS's long history, stays torch's);
-* ``norm_linear``: a pre-norm (RMS or LayerNorm), the projection that reads it (torch's BLAS, called as
-  its linear calls it) and the activation after it (SiLU, relu^2, the Gemma gate) (3 -> 1);
-* ``depthwise_conv1d`` (oneDNN sets up each small conv for longer than it takes) and ``overlap_add`` (the
-  iSTFT's clamp, window, overlap-add and envelope division: 4 -> 1), the codec's; its streaming ConvNeXt
-  block (``convnext_block``: the state's cat, depthwise conv, LayerNorm, pointwise convs by BLAS, exact
-  GELU and residual, 7 -> 1) and its upsampling (``upsample_conv1d``: a transposed conv whose kernel is
-  its stride, as one BLAS product per row, where oneDNN's set-up grows with the rows);
-* ``add_rms_norm`` (2 -> 1) and ``rms_norm`` (torch's CPU ``rms_norm`` is a composite of 13 sub-ops;
-  one pass here).
-
-They are built from the package's C++ source with torch's extension builder the first time a CPU
-model is prepared (about 20 s; cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``, and rebuilt only when the source or torch changes), then
-self-tested against the composite code. Without a C++ compiler or ninja, if the build or the
-self-test fails, or with ``NVCHAT_CPU_KERNELS=0``, the composite code runs instead: the same
-results within float rounding, more kernels (:func:`status` says which, and why; so do
-``model.describe()`` and the doctor). Only float32 CPU tensors take these ops: MPS, CUDA and the
-bf16 fast mode keep the composite code, whose ops those backends run natively.
+They are built on first use and self-tested against the composite code. Without a compiler, on a
+failed build or self-test, or with ``NVCHAT_CPU_KERNELS=0``, the composite code runs instead, and
+:func:`status` says why. Only float32 CPU tensors take these ops.
+Design, the ops and their kernel counts: docs/performance.md, "Fused CPU kernels (issue 21)".
 """
 
 from __future__ import annotations

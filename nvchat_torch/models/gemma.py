@@ -192,7 +192,7 @@ class TTSCache:
     offset: int = 0
     limit: int | None = None  # positions the rotary tables cover
 
-    def _reserve(self, layer: int, needed: int) -> None:
+    def reserve_layer(self, layer: int, needed: int) -> None:
         capacity = self.keys[layer].shape[2]
         if needed <= capacity:
             return
@@ -213,7 +213,7 @@ class TTSCache:
         position the layer holds (``[2, kv_heads, held, head_dim]`` views, ring order for sliding layers)."""
         n, start, window = keys.shape[2], self.offset, self.windows[layer]
         if window is None:
-            self._reserve(layer, start + n)
+            self.reserve_layer(layer, start + n)
             self.keys[layer][:, :, start:start + n] = keys
             self.values[layer][:, :, start:start + n] = values
             held = start + n
@@ -221,7 +221,7 @@ class TTSCache:
             if n > window:  # only the last `window` positions are ever attended again
                 keys, values = keys[:, :, n - window:], values[:, :, n - window:]
                 start, n = start + n - window, window
-            self._reserve(layer, min(start + n, window))
+            self.reserve_layer(layer, min(start + n, window))
             slot = start % window
             first = min(n, window - slot)
             self.keys[layer][:, :, slot:slot + first] = keys[:, :, :first]
@@ -239,7 +239,7 @@ class TTSCache:
         for layer, window in enumerate(self.windows):
             needed = end if window is None else min(end, window)
             grew |= needed > self.keys[layer].shape[2]
-            self._reserve(layer, needed)
+            self.reserve_layer(layer, needed)
         return grew
 
     def capacities(self) -> tuple[int, int]:

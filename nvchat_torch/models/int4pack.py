@@ -1,40 +1,10 @@
 """torch's fused int4 weight-only matmul, per device, and CPU stand-ins for the ones a CPU lacks.
 
-``aten::_convert_weight_to_int4pack`` + ``aten::_weight_int4pack_mm`` exist only for MPS and CUDA
-(``aten/src/ATen/native/native_functions.yaml``: their ``dispatch`` lists ``CUDA`` and ``MPS``); a
-CPU build has ``_convert_weight_to_int4pack_for_cpu`` + ``_weight_int4pack_mm_for_cpu`` instead.
-All compute ``y = x @ w.T`` with ``w = (q - 8) * scale + zero`` per group of ``group_size`` input
-columns, ``q`` the unsigned 4-bit code and ``qScaleAndZeros`` a ``[K / group_size, N, 2]`` tensor
-of ``(scale, zero)``. Which one a model uses is an :class:`Int4Kernel`, chosen once when the
-weights are packed (:func:`nvchat_torch.models.quant.pack_int4`), so a CPU test can pack and run the
-MPS and CUDA layouts through the pure-torch models below (``int4_kernel("mps", stand_in=True)``).
-
-The layouts, read from PyTorch's sources (torch 2.13; ``torch/_meta_registrations.py`` of the
-wheel gives the same shapes):
-
-* Both MPS and CUDA converters take ``uint8 [N, K/2]`` with **even k in the high nibble**
-  (``byte = q[2j] << 4 | q[2j+1]``, gpt-fast's order) and return ``int32 [N/8, K/(16*t), 32, t/2]``
-  for ``innerKTiles = t`` (2, 4 or 8).
-* MPS (``aten/src/ATen/native/mps/operations/Quantized.mm``, ``_convert_weight_to_int4pack_mps``;
-  kernels ``weight_to_int4pack`` and ``int4pack_mm`` in ``aten/src/ATen/native/mps/kernels/
-  Quantized.metal``): the 4-D int32 shape is only the shape dynamo's meta function promises ("fake
-  shapes"). Its bytes are the input's ``[N, K/2]`` bytes in row-major order, each byte's nibbles
-  swapped, so **even k in the low nibble**. ``int4pack_mm`` reads a little-endian ``ushort`` at
-  byte ``(n*K + k)/2``: nibbles k, k+1, k+2, k+3 from the lowest up; it multiplies ``scale * q``
-  in float and adds ``sum(a) * (zero - 8*scale)``, the latter formed in the activation dtype ``T``,
-  accumulates in float and stores ``T``; ``qScaleAndZeros`` is read as ``T`` (float32, float16 or
-  bfloat16 activations; N = ``B.size(0) * 8``).
-* CUDA (``aten/src/ATen/native/cuda/int4mm.cu``, ``matrix_to_m16n8k16_Bint4_layout`` and
-  ``BLayout_TC_int4``): the m16n8k16 tensor-core B fragment. ``out[nt][kt][lane][j]`` holds, for
-  ``n = 8*nt + lane/4`` and the k-tiles ``2*(kt*t/2 + j)`` and the next, the 8 codes at
-  ``k0 + (0, 8, 16, 24, 1, 9, 17, 25)``, ``k0 = 16 * first k-tile + 2*(lane % 4)``, nibble 0
-  (lowest) first. ``convert_i4x8_to_bf16x2x4`` turns nibbles ``(i, i+4)`` into a bf16 pair ``q - 8``
-  and ``__hfma2`` forms ``bf16((q - 8) * scale + zero)``; the MMA multiplies bf16 by bf16 into
-  float32, stored as bf16. Activations must be bf16 (``TORCH_CHECK(A.dtype() == kBFloat16)``).
-
-MLX stores ``q`` LSB-first (even k in the low nibble, ``w = scale*q + bias``): for MPS/CUDA the
-nibbles are swapped into the converters' order (MPS's converter swaps them back), and
-``zero = bias + 8*scale``.
+``aten::_weight_int4pack_mm`` exists only for MPS and CUDA; a CPU has the ``_for_cpu`` pair instead.
+Which one a model uses is an :class:`Int4Kernel`, chosen when the weights are packed
+(:func:`nvchat_torch.models.quant.pack_int4`). The pure-torch models below let a CPU test run the
+MPS and CUDA layouts (``int4_kernel("mps", stand_in=True)``).
+The layouts, read from PyTorch's sources: docs/checkpoints.md, "The int4pack kernels and their layouts".
 """
 
 from __future__ import annotations
@@ -182,9 +152,9 @@ class Int4Kernel:
     """One device type's int4pack pair: the layout :meth:`pack` writes and the matmul that reads it.
     ``stand_in``: the pure-torch model of that device's kernel (runs anywhere, for tests)."""
 
-    device_type: str
-    convert: Callable[[Tensor, int], Tensor]
-    mm: Callable[[Tensor, Tensor, int, Tensor], Tensor]
+    device_type: str  # "cpu", "mps" or "cuda"
+    convert: Callable[[Tensor, int], Tensor]  # the layout converter: (weight, inner_k_tiles) -> packed
+    mm: Callable[[Tensor, Tensor, int, Tensor], Tensor]  # the matmul that reads that layout
     activation_dtypes: tuple[torch.dtype, ...]  # the first is the default
     stand_in: bool = False
 

@@ -1,22 +1,9 @@
 """Layers that compute as the MLX reference does, with every weight kept in its stored dtype.
 
-MLX never casts a weight to an "activation dtype". Each op runs in the promoted dtype of its
-operands: float32 activations with bf16 weights compute in float32 (the upcast is exact), bf16
-activations with bf16 weights compute in bf16. A Python scalar takes the array's dtype, so in bf16
-it is rounded before use. Its bf16 matmul (CPU and GPU) accumulates in float32 and rounds once,
-bias included. torch refuses mixed dtypes in ``F.linear``/``conv``/``layer_norm``, and its own bf16
-elementwise kernels round differently, so the networks use these instead:
-
-* :func:`linear`, :func:`matmul`, :class:`Linear`, :class:`LayerNorm`: promote the operands, then
-  one torch op; a reduced-precision result is computed in float32 and rounded once, as MLX does
-  (bitwise equal on every case measured, see ``tests/test_layers.py``). :class:`Conv1d`,
-  :class:`Conv2d` and :func:`pointwise` add the bias after the convolution, as MLX's conv layers.
-* :func:`scalar`, :func:`sigmoid`, :func:`silu`, :func:`gelu_tanh`, :func:`gelu_erf`, :func:`softplus`,
-  :func:`rsqrt`, :func:`mean_last`, :func:`var_last`: in float32 the torch op; in bf16/fp16 the same formula MLX
-  evaluates, one rounding per op, with its constants rounded to the dtype first.
-
-In float32 every helper is the plain torch op (a ``.to`` that converts nothing launches no kernel),
-so a float32 model pays nothing for them.
+torch refuses mixed dtypes in ``F.linear``/``conv``/``layer_norm``, and its bf16 elementwise kernels
+round differently from MLX's, so the networks use these instead. In float32 every helper is the
+plain torch op, so a float32 model pays nothing for them.
+Design: docs/parity.md, "The dtype flow: the port's design rule" and "The promoting layers".
 """
 
 from __future__ import annotations

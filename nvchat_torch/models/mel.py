@@ -1,14 +1,8 @@
 """NeMo log-mel front end (``AudioToMelSpectrogramPreprocessor`` at inference), offline and streaming.
 
-Per frame: preemphasis 0.97 (applied to the raw signal, before the STFT's reflect padding),
-a symmetric Hann window of ``win_length`` centred in ``n_fft``, the power spectrum ``|X|^2``,
-a Slaney mel filterbank and ``log(mel + guard)``. No dither, no normalisation. Frame ``i`` is
-centred on sample ``i * hop``; ``N`` samples give ``N // hop + 1`` frames.
-
-The STFT is one matmul of the framed signal with windowed real DFT bases (cos and sin), so the
-module needs no complex tensors, no FFT and no float64, and runs on cpu, cuda and mps. A prepared
-float32 CPU model takes torch's real FFT instead (pocketfft: 6 us against 78 us for a frame's 8
-windows, 25 against 550 us for 8 streams; the same spectrum within float rounding).
+The STFT is a matmul with windowed real DFT bases, so it runs on CPU, CUDA and MPS with no complex
+tensors, FFT or float64. A prepared float32 CPU model takes torch's real FFT instead.
+Design: docs/api.md, "What each network computes" (the log-mel).
 """
 
 from __future__ import annotations
@@ -66,14 +60,11 @@ def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, device=None
 @dataclass
 class MelCache:
     """Streaming state of :meth:`LogMel.forward_step`: ``B`` streams, each pushing whole 80 ms frames.
+    ``samples`` holds enough for the next frame's windows and the preemphasis predecessor; ``frames``
+    says where each stream starts inside the buffer, for the reflect padding."""
 
-    ``samples [B, kept]``: each row's last raw samples (zeros before its start), enough for the next
-    frame's windows and the preemphasis predecessor; ``frames [B]`` (long, on the device): frames each
-    row has pushed, which says where its stream starts inside the buffer (the reflect padding).
-    """
-
-    samples: torch.Tensor
-    frames: torch.Tensor
+    samples: torch.Tensor  # [B, kept] each row's last raw samples (zeros before its start)
+    frames: torch.Tensor  # [B] long: frames each row has pushed, so where its stream starts
 
 
 class LogMel(nn.Module, FusedOnCpu):

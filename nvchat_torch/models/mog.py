@@ -117,14 +117,36 @@ class MoGHead(nn.Module):
         """Component logits, log std and the rest of the mean."""
         return self.proj_logits(x), self.proj_logs(x), self.proj_else(x)
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp_stack`` on every row."""
+        for layer in self.mlp_stack:
+            x = layer(x)
+        return x
+
+    def distribution(self, features: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The whole mixture at every row, as NeMo's ``MoGHead.forward`` gives it to the losses
+        (ear_tts_model.py 616-639): component logits, low-rank means ``[..., K, r]``, the rest of the
+        mean, and the log std clamped at ``min_log_std``."""
+        logits, log_std, rest = self.heads(features)
+        mus = self.proj_mus(features).unflatten(-1, (self.num_predictions, self.low_rank))
+        return logits, mus, rest, log_std.clamp(min=self.min_log_std)
+
+    def distance(self, mus: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``|L_k m_k - y|^2`` per component ``[B, S, K]`` for means ``m [B, S, K, r]`` and a target
+        ``y [B, S, latent]``, in float32 (NeMo's ``MoGHead.dist``, ear_tts_model.py 641-675)."""
+        low_mat = self.low_mat.float()
+        gram = low_mat.transpose(-1, -2) @ low_mat  # [K, r, r]
+        wx_sq = (mus * torch.einsum("btni,nij->btnj", mus, gram)).sum(-1)
+        y_sq = y.pow(2).sum(-1, keepdim=True)
+        xwy = (mus * torch.einsum("bti,nij->btnj", y, low_mat)).sum(-1)
+        return (wx_sq + y_sq - 2 * xwy).abs()
+
     def forward(self, x: torch.Tensor, guidance_scale: float, top_p: float, generator: Generators | torch.Tensor,
                 deterministic: bool | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [2B, H]`` (each session's conditional, then unconditional row) -> (mean ``[B, out]``, std ``[B, 1]``).
         ``generator``: see :func:`sample_component`. ``deterministic``: for all rows, or per row ``[B]``
         (bool; those rows draw nothing)."""
-        for layer in self.mlp_stack:
-            x = layer(x)
-        x = x.unflatten(0, (-1, 2))
+        x = self.features(x).unflatten(0, (-1, 2))
         x = torch.lerp(x[:, 1], x[:, 0], 1.0 + guidance_scale)  # cond + g (cond - uncond)
         logits, log_std, rest = self.heads(x)
         if deterministic is True:

@@ -2,19 +2,8 @@
 
 Checkpoint prefix ``stt_model.llm``; the fused input and both vocabulary heads sit beside it and are
 served by :mod:`nvchat_torch.models.language_heads`.
-
-Dtype policy: the MLX reference's promotion rules, which decide its rounding. Every op runs in the
-promoted dtype of its operands, as in MLX: fp32 inputs with bf16 weights in fp32 (``Linear`` promotes;
-``QuantizedLinear`` dequantizes to the activation dtype), bf16 inputs with bf16 weights in bf16.
-
-* SSM state: always float32 (``dt`` is computed in float32, so the state update is).
-* Conv state: takes the first input's dtype (MLX makes the initial zeros in it); a wider input
-  later promotes it for good (MLX concatenates the state with the input).
-* KV cache: the first write sets the buffer dtype (MLX allocates on the first update); later
-  writes are rounded to the buffer dtype, until the buffer grows by a 256-slot block, which
-  promotes it (MLX concatenates the new block).
-* ``A_log`` stays float32 whatever the model dtype (the loader keeps it, and so does
-  :func:`~nvchat_torch.loading.checkpoint.cast`, the reference's cast of a model).
+Every op runs in the promoted dtype of its operands, as in MLX. The SSM state is always float32.
+Dtype policy of the states and caches: docs/parity.md, "Nemotron-H's state dtypes".
 """
 
 from __future__ import annotations
@@ -98,11 +87,12 @@ class KVCache:
     """Keys and values ``[B, kv_heads, capacity, head_dim]``, valid up to ``offset``.
 
     The buffers grow by :func:`grown_capacity` (amortized copying). ``blocks`` is what the reference
-    would hold, whole 256-slot blocks: its dtype rule applies when that grows (see the module docstring)."""
+    would hold, whole 256-slot blocks: its dtype rule applies when that grows
+    (docs/parity.md, "Nemotron-H's state dtypes")."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    offset: int = 0
+    keys: torch.Tensor  # [B, kv_heads, capacity, head_dim]
+    values: torch.Tensor  # [B, kv_heads, capacity, head_dim]
+    offset: int = 0  # positions written so far
     limit: int | None = None  # positions the model supports (max_position_embeddings)
     blocks: int = 0  # slots the reference would have allocated (0: none yet)
 
@@ -586,7 +576,7 @@ class NemotronHModel(nn.Module):
     def new_cache(self, batch: int = 1, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> LanguageCache:
         """Empty caches, one per layer. ``dtype`` (default: the model's) is the conv/KV buffers'
-        initial dtype; see the module docstring for how activations of another dtype promote them."""
+        initial dtype; docs/parity.md, "Nemotron-H's state dtypes", says how other dtypes promote them."""
         cfg = self.config
         device = self.norm_f.weight.device if device is None else device
         dtype = self.norm_f.weight.dtype if dtype is None else dtype

@@ -1,19 +1,10 @@
 """MLX's packed weight formats in PyTorch: dequantization and modules that keep weights packed.
 
-Formats (MLX 0.32; formulas and packing order verified against ``mx.dequantize``):
-
-* ``affine`` (bits 2, 3, 4, 5, 6, 8; groups 32, 64, 128): ``weight`` uint32 ``[out, in*bits/32]``
-  is a little-endian, LSB-first bit stream per row; ``w = scale*q + bias`` per group of
-  ``group_size`` columns, evaluated in the scales' dtype with two roundings (bit-exact to MLX).
-* ``mxfp4`` / ``mxfp8`` (group 32): E2M1 / E4M3FN elements times an E8M0 power-of-two scale (uint8).
-* ``nvfp4`` (group 16): E2M1 elements times an E4M3FN scale (uint8).
-
-``QuantizedLinear`` / ``QuantizedEmbedding`` hold the checkpoint's ``weight``/``scales``/``biases``
-as stored (so their state_dict keys are the checkpoint's) and compute with them: embeddings
-dequantize only the looked-up rows; linears dequantize per call, or, after
-``pack_int4(model)``, run MLX 4-bit through ``torch.ops.aten._weight_int4pack_mm*`` where the
-device has it. ``quantize_modules(model, specs)`` is the gpt-fast style module swap that turns
-plain ``nn.Linear``/``nn.Embedding`` into these, so the model code itself stays plain.
+The formats are MLX 0.32's ``affine``, ``mxfp4``, ``mxfp8`` and ``nvfp4``, bit-exact to ``mx.dequantize``.
+``QuantizedLinear`` / ``QuantizedEmbedding`` hold the checkpoint's tensors as stored, under its keys.
+``quantize_modules(model, specs)`` is the gpt-fast style module swap that puts them in place of plain
+``nn.Linear``/``nn.Embedding``, so the model code itself stays plain.
+Design: docs/checkpoints.md, "Quantization" and "Two ways to hold the weights".
 """
 
 from __future__ import annotations

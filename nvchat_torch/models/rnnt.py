@@ -1,14 +1,9 @@
 """RNNT transcript head (``stt_model.rnnt_decoder``, ``stt_model.rnnt_joint``) and greedy decoding.
 
-The prediction network is an embedding and a multi-layer LSTM (torch's own, with both bias
-vectors as stored); the joint adds projections of an encoder frame and a prediction, then
-ReLU and a linear over ``vocab + 1`` classes, the last being blank. The start state feeds the
-LSTM a zero vector (not the blank row of the embedding) with zero hidden state.
-
-Greedy decoding per encoder frame: emit the argmax until it is blank or ``max_symbols`` were
-emitted; a blank changes nothing. :meth:`RnntTranscriber.step` runs those ``max_symbols``
-iterations unconditionally on the device with masked updates, so a frame costs no host read;
-the session reads the frame's ids once and feeds them to :class:`TranscriptText`.
+:meth:`RnntTranscriber.step` runs the ``max_symbols`` iterations of greedy decoding on the device
+with masked updates, so a frame costs no host read. The session reads the frame's ids once and feeds
+them to :class:`TranscriptText`.
+Design: docs/api.md, "What each network computes" (the RNNT).
 """
 
 from __future__ import annotations
@@ -160,7 +155,7 @@ class RnntState:
     prediction-network output for the last emitted token (what the joint consumes next); the LSTM
     state is the one after that token (or, at the start, after the zero start input)."""
 
-    hc: torch.Tensor
+    hc: torch.Tensor  # [2 * layers + 1, 1, H]: LSTM h and c per layer, then the prediction output
 
 
 class RnntTranscriber(nn.Module):

@@ -2,10 +2,8 @@
 BOS/EOS embeddings (``tts_model.tts_model.embed_subword``), and the gated fusion of the code and
 text embeddings (``tts_model.tts_model.gated_fusion_audio_text``).
 
-A text id is spelled out from the LLM tokenizer's vocabulary (tables built once by
-:meth:`CharAwareSubwordEncoder.set_vocabulary`), its characters run through a one-layer
-bidirectional encoder and are pooled; the reference computes all of it in bf16 for a bf16
-checkpoint, so every op here follows its rounding (see ``nvchat_torch.models.layers``).
+Every op follows the reference's bf16 rounding (see ``nvchat_torch.models.layers``).
+Design: docs/api.md, "What each network computes" (EAR-TTS); dtypes: docs/parity.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,9 @@
 
 Checkpoint prefix ``tts_model``: ``tts_model.tts_model`` is :class:`EarTTS`, ``tts_model.audio_codec``
 the :class:`~nvchat_torch.models.codec.Codec`, plus the prompt and silence buffers held by :class:`SpeechDecoder`.
-
-One frame (:meth:`EarTTS.step`): the previous frame's codes are depth-summed through ``rvq_embs``
-and projected (``embed_code``); the current text id goes through a character-aware subword encoder
-plus subword-flag and BOS/EOS embeddings; a gated fusion mixes the two, and the batch is doubled
-for classifier-free guidance (the unconditional row's text is ``null_emb``). A Gemma-3-style
-backbone advances one position; a mixture-of-Gaussians head then proposes a latent five times
-(the iterative schedule), and each proposal is assigned greedily to the next quantizers.
-
-A session starts with a 37-position warmup (the speaker prompt, :meth:`SpeechDecoder.start`)
-that fills the key/value caches. Nothing in a step reads a tensor on the host.
+A session starts with a 37-position warmup that fills the key/value caches; then :meth:`EarTTS.step`
+runs one frame. Nothing in a step reads a tensor on the host.
+Design: docs/api.md, "What each network computes" (EAR-TTS).
 """
 
 from __future__ import annotations
@@ -177,15 +170,22 @@ class EarTTS(nn.Module):
         _check_shape("prompt.latents", prompt.latents, (1, F_, H))
         for name in ("subword_ids", "subword_mask", "audio_mask"):
             _check_shape(f"prompt.{name}", getattr(prompt, name), (1, F_))
+        code_embed, text = self.warmup_inputs(prompt)
+        return self.backbone(self._fuse_inputs(code_embed, text), cache)
+
+    def warmup_inputs(self, prompt: TTSPrompt, latents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The warmup's code embeddings and text conditioning ``[1, F, H]`` each: the previous position's
+        codes embedded (zeros before the first), the prompt latents (``latents``, default the prompt's)
+        before the first audio position, plus ``bos_emb`` there. Training feeds the same."""
         dtype = self.activation_dtype
+        latents = prompt.latents if latents is None else latents
         shifted = torch.cat([torch.zeros_like(prompt.codes[:, :1]), prompt.codes[:, :-1]], dim=1)
         code_embed = self.embed_code(self.depth_sum(shifted).to(dtype))
         audio = prompt.audio_mask
         bos = audio & ~torch.cat([torch.zeros_like(audio[:, :1]), audio[:, :-1]], dim=1)
         before_bos = (bos.cumsum(1) == 0)[..., None]
-        code_embed = torch.where(before_bos, prompt.latents.to(dtype), code_embed) + bos[..., None] * self.bos_emb
-        text = self.embed_subword(prompt.subword_ids, prompt.subword_mask)
-        return self.backbone(self._fuse_inputs(code_embed, text), cache)
+        code_embed = torch.where(before_bos, latents.to(dtype), code_embed) + bos[..., None] * self.bos_emb
+        return code_embed, self.embed_subword(prompt.subword_ids, prompt.subword_mask)
 
     forward = warmup
 

@@ -12,9 +12,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..models.mog import Draws
-    from ..tools import ToolChannel
 
-__all__ = ["TABLE", "PackedLayout", "FrameValues", "FrameInput", "StepFlags", "StepTensors"]
+__all__ = ["TABLE", "FORCED_IDS", "FORCES", "FORCING", "PackedLayout", "FrameValues", "FrameInput", "StepFlags", "StepTensors"]
 
 # The rows' table: what the host knows of each row, one int64 row per field and one column per row,
 # uploaded in one copy per step: its frame index (the audio frames it has heard), LLM and TTS positions,
@@ -26,6 +25,11 @@ TABLE = ("frame", "llm_position", "tts_position", "runs", "hears", "thinks", "ru
          "forced_text", "forced_function", "forces_text", "forces_function", "spoken", "draws")
 (FRAME, LLM_POSITION, TTS_POSITION, RUNS, HEARS, THINKS, RUNS_TTS, DECODES, ROUNDS_KEYS, FORCED_TEXT, FORCED_FUNCTION,
  FORCES_TEXT, FORCES_FUNCTION, SPOKEN, DRAWS) = range(len(TABLE))
+# The forced ids of both output channels (text, function), and whether each is forced: two adjacent fields
+# each, read as one slice. ToolChannel.take_forced gives the four in this order.
+FORCED_IDS = slice(FORCED_TEXT, FORCED_FUNCTION + 1)
+FORCES = slice(FORCES_TEXT, FORCES_FUNCTION + 1)
+FORCING = slice(FORCED_TEXT, FORCES_FUNCTION + 1)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class PackedLayout:
 @dataclass
 class FrameInput:
     """One row's step: 16 kHz samples ``[1280]`` (None: a step off the clock, docs/engine.md), the row's
-    generator (None: the deterministic mode), its tool channel when it forces ids (tool results,
+    generator (None: the deterministic mode), the ids its tool channel forces (tool results,
     ``force_tokens``), the text id the step forces (-1: none; a text id the tool channel forces waits), the id
     its TTS speaks instead of the text id (-1: the text id), and whether the LLM steps (``thinks``; not:
     its state and position stay, as while a tool runs) and the TTS and codec (``speaks``; not: no speech,
@@ -85,7 +89,9 @@ class FrameInput:
 
     samples: np.ndarray | None
     generator: torch.Generator | None = None
-    tools: ToolChannel | None = None
+    # The ids the tool channel forces this step, taken off its queues by the session: (text id, function
+    # id, text forced, function forced), as FORCING reads them; None: none.
+    forced: tuple[int, int, int, int] | None = None
     held: bool = False
     pad_text: bool = False
     call_start: int = -1
@@ -129,6 +135,8 @@ class StepTensors:
     tts_ring: torch.Tensor  # [2B]: their sliding layers' ring slots
     conformer_slot: torch.Tensor  # [B]
     conformer_columns: torch.Tensor  # [B, ring slots attended]
+    ring_least: int  # the frames every running row has run at least (ConformerRows.least; compiled: 0)
+    ring_aligned: bool  # whether they have all run that many (compiled: False)
     hold: torch.Tensor | None  # [3, B] with turn-taking: held, text held at PAD, start-of-call id
     draws: Draws | None
     flags: StepFlags

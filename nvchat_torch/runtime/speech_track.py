@@ -1,14 +1,9 @@
 """The TTS half of a system prompt's prefill, run once per model and mode and shared by its sessions.
 
-A prefill feeds the TTS PAD text at every prompt position, so what its steps leave (the key/value
-cache, the codes each step returns and, when sampling, the random generator's state) depends on the
-checkpoint, the mode, the seed and the position alone, never on the prompt's words. A
-:class:`SpeechTrack` is that trajectory: the speaker warmup, then one PAD step after another, run as
-far as any session has needed it. A session takes its prompt's position from the track (a copy,
-exactly the state its own steps would have left) instead of running one TTS step per prompt token.
-:class:`SpeechTracks`, the model's registry of them, bounds their bytes (least recently used first
-out) and guards them with one lock, as sessions may be created on any thread. docs/performance.md,
-"The prefill track", has the memory and timings.
+A prefill feeds the TTS PAD text, so its trajectory does not depend on the prompt's words. A
+:class:`SpeechTrack` is that trajectory, and a session copies its prompt's position from it.
+:class:`SpeechTracks` is the model's bounded, locked registry of them.
+Design: docs/engine.md, "How it works"; memory and timings: docs/performance.md, "The prefill track".
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ which takes over the prefilled caches."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +20,7 @@ from ..models.nemotron_h import SSD_CHUNK
 if TYPE_CHECKING:
     from ..networks import VoiceChatNetworks
 
-__all__ = ["Timeline", "PREFILL_CHUNK"]
+__all__ = ["Timeline", "TimelineState", "PREFILL_CHUNK"]
 
 # Prompt positions per LLM call of the prefill: one piece of a deferred prefill. A quarter of the SSD
 # chunk: on the deep preset it is also the fastest per position with nobody else to wait for (0.60 ms
@@ -26,6 +28,21 @@ __all__ = ["Timeline", "PREFILL_CHUNK"]
 # grows with the chunk squared; benchmarks.prefill), and a piece longer than an 80 ms tick would
 # delay the streaming sessions.
 PREFILL_CHUNK = SSD_CHUNK // 4
+
+
+@dataclass
+class TimelineState:
+    """What a prefill changes on a :class:`Timeline` (:meth:`Timeline.snapshot`)."""
+
+    language_cache: Any  # a LanguageCache, or None on the no-cache path
+    history: list[torch.Tensor]  # the no-cache path's inputs so far
+    tts_cache: Any  # a TTSCache
+    previous_code: torch.Tensor  # the TTS's last codes
+    prev_text: torch.Tensor  # the last text id fed back
+    prev_function: torch.Tensor  # the last function id fed back
+    index: int  # the timeline position (prompt steps included)
+    last_hidden: torch.Tensor | None  # the LLM's last hidden state
+    generator_state: torch.Tensor  # the sampling generator's
 
 
 class Timeline:
@@ -54,12 +71,19 @@ class Timeline:
         self.index = 0  # timeline position (prompt steps included)
         self.last_hidden: torch.Tensor | None = None
 
-    def prompt_ids(self, system_prompt: str | None) -> list[int]:
-        text = self.config.default_system_prompt if system_prompt is None else system_prompt
-        if not text.strip():
-            return []
-        cfg = self.config
-        return [cfg.bos_token_id, *self.model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
+    def snapshot(self) -> TimelineState:
+        """Copies of all a prefill changes: the prompt cache keeps them (:mod:`.prompt`)."""
+        return copy.deepcopy(TimelineState(self.language_cache, self.history, self.tts_cache, self.previous_code,
+                                           self.prev_text, self.prev_function, self.index, self.last_hidden,
+                                           self.generator.get_state()))
+
+    def restore(self, state: TimelineState) -> None:
+        """This timeline as ``state`` was (copied, so the state can be restored again)."""
+        state = copy.deepcopy(state)
+        self.language_cache, self.history, self.tts_cache = state.language_cache, state.history, state.tts_cache
+        self.previous_code, self.prev_text, self.prev_function = state.previous_code, state.prev_text, state.prev_function
+        self.index, self.last_hidden = state.index, state.last_hidden
+        self.generator.set_state(state.generator_state)
 
     def prefill(self, user: torch.Tensor) -> None:
         """The whole prompt prefill at once (:meth:`prefill_pieces`, run to its end); then the heap its

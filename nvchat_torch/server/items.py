@@ -1,14 +1,9 @@
 """The GA conversation as a list of items, for :class:`~nvchat_torch.server.app.Connection`: the
-``conversation.item.*`` client events (create, truncate, retrieve, delete) and the
-``conversation.item.added`` / ``.done`` server events for every item (the user's audio, the
-assistant's messages, function calls and their outputs, and what the client creates).
+``conversation.item.*`` client events and the ``conversation.item.added`` / ``.done`` server events.
 
 The model is full duplex and hears audio only, so items are mostly a record for the client. What
-the model hears of a client's ``message`` item is decided here and documented in docs/server.md
-("Conversation items"): before the conversation has started, its text is rendered into the
-prompt; once it runs, the item is recorded and not heard, and an ``nvchat.notice`` says so. A
-tool result created before the conversation starts (a framework replaying its history) and GA's
-MCP items (there are no MCP tools here) are valid events too: recorded, with a notice.
+the model hears of a client's ``message`` item is decided here.
+Design: docs/server.md, "Conversation items: what the model hears".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """``response.create``: a client asks the agent to speak now, for :class:`~nvchat_torch.server.app.Connection`.
 
 The model is full duplex and decides itself when to speak; what a client can ask of it is the turn.
-A request gives the model's text channel its BOS on the next frame (the forced BOS NVIDIA's
-turn-taking policy uses at an end of utterance, here on request), and the response that opens on
-that frame carries the request's ``metadata`` (LiveKit Agents waits for its ``client_event_id``
-there). The response is announced at once and waits for its BOS frame (``waiting``): nothing of
-the frames before it is sent. A request made while a response is open (or waiting) joins it: no
-second BOS, and the open response takes the metadata (``response.done`` shows it); but for one that
-carries a phrase spoken while a tool runs, which ends there (the rest of the phrase is the request's).
-During a tool call the BOS is forced once the session is back on the clock. What the model
-cannot honour of a request (per-response instructions, tools, an out-of-band conversation, text
-only) is validated and taken, and docs/server.md says what happens instead.
+A request forces the text channel's BOS on the next frame, and the response that opens there carries
+the request's ``metadata``. A request made while a response is open or waiting joins it.
+What happens to the parts the model cannot honour: docs/server.md, the ``response.create`` row.
 """
 
 from __future__ import annotations

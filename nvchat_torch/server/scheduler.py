@@ -1,20 +1,10 @@
 """Where the server steps its sessions: one worker thread driving a :class:`~nvchat_torch.engine.BatchEngine`
 on a fixed 80 ms clock.
 
-Every model call (opening a session, its system prompt's prefill, and each batched step) runs on the
-worker thread, never on the event loop, so pings and the other connections' I/O stay live. At each
-tick the worker hands every session the audio it has received (buffering only) and runs its other
-jobs in order once the frames queued before them have run; then one on-clock step runs one frame for
-every session that has a complete frame, as one batch. A session whose client has not sent a full
-frame sits that step out. The server's ``--max-sessions`` is the engine's ``max_sessions``.
-
-The time between the on-clock steps is spare: a new session's prompt is prefilled there in pieces
-(one LLM call over up to 64 positions, or one TTS step), so a long prompt never stalls the sessions
-already streaming, and the new session joins the batch once its prefill is complete. Sessions that
-are behind (frames left over after their on-clock step: a client whose network held its audio and
-then delivered it at once, or one that joined with audio queued) get catch-up steps there too, as
-many as are predicted to end before the next tick, so their lag shrinks back to a frame instead of
-lasting the whole call. Prefill pieces and catch-up steps share the spare time when both want it.
+Every model call runs on the worker thread, never on the event loop, so pings and the other
+connections' I/O stay live. The time between on-clock steps goes to prompt prefill pieces and to
+catch-up steps for sessions that are behind.
+Design: docs/server.md, "How it runs" (catch-up steps, prefill in pieces).
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from ..events import ContextLimit, StreamingOptions
-from ..runtime.prompt_cache import PromptCache
+from ..runtime.prompt import PromptCache
 
 __all__ = ["FrameScheduler", "Output", "OutputKind", "WARM_PROMPT_TOKENS"]
 
@@ -92,7 +82,7 @@ class FrameScheduler:
                  catch_up: bool = True, warm_prompt_tokens: int = WARM_PROMPT_TOKENS):
         self.model = model
         self.engine = model.create_engine(max_sessions=max_sessions)
-        # Sessions with a prompt prefilled before join at once (nvchat_torch.runtime.prompt_cache); 0: none kept.
+        # Sessions with a prompt prefilled before join at once (nvchat_torch.runtime.prompt); 0: none kept.
         self.engine.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.clock = model.config.frame_duration if clock is None else clock
         self.catch_up = catch_up

@@ -1,13 +1,9 @@
 """Who may use the server from a browser: ``Origin`` and ``Host`` checks, and the API key.
 
-Browsers do not apply CORS to WebSockets: any page a user visits can open
-``ws://127.0.0.1:8000/v1/realtime`` and use their model. A browser always sends ``Origin`` on a
-WebSocket upgrade (and on cross-origin requests), so the server accepts a request only when it has no
-``Origin`` (the SDK, command-line clients) or the server's own origin (the page it serves), or an
-origin given with ``--allow-origin``. A page on another site reaching a loopback server through DNS
-rebinding (its own name resolving to 127.0.0.1) has a matching ``Origin`` and ``Host``, so a server
-bound to loopback also requires a loopback ``Host`` (or one of an allowed origin). Refusals are HTTP
-403 before any WebSocket is accepted.
+Browsers do not apply CORS to WebSockets, so any page could open a local server. The server accepts
+a request only with no ``Origin``, its own origin or an allowed one. A loopback server also requires
+a loopback ``Host``, against DNS rebinding. Refusals are HTTP 403 before any WebSocket is accepted.
+Design: docs/server.md, "Who may connect".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""NVIDIA's tool pipeline as GA events, for :class:`~nvchat_torch.server.responses.ResponseEvents`
-(docs/server.md, "Speech during a tool call").
+"""NVIDIA's tool pipeline as GA events, for :class:`~nvchat_torch.server.responses.ResponseEvents`.
 
-A session with tools writes a call off the clock while its TTS speaks an acknowledgement, speaks phrases
-through the TTS alone while the tool runs, and injects the result off the clock (docs/tools.md). Each
-phrase comes as a ``hold_speech`` event at the step where it starts, with the steps it takes (one
-``audio`` event each). Here: the acknowledgement goes in the response that then carries the call (closed
-at the call, as before); the rest of it, once the call is written, and each phrase while the tool runs
-go in a server-initiated response of their own, closed at the phrase's last step, or in the response a
-client asked for meanwhile. A ``response.create`` made during the call has its BOS forced once the
-session is back on the clock (the pipeline's steps force the text channel). A result after the call's
-time ran out gets a notice, not an error.
+The acknowledgement goes in the response that carries the call. Each later phrase goes in a
+server-initiated response of its own, or in the response a client asked for meanwhile. A result after
+the call's time ran out gets a notice, not an error.
+Design: docs/server.md, "Speech during a tool call"; the pipeline: docs/tools.md.
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ from .objectives import (
                          quantizer_masks,
                          stt_forward,
                          stt_loss,
+                         teacher_forced_codes,
                          tts_forward,
                          tts_loss,
                          user_frames,
 )
 
 __all__ = ["STTOutput", "TTSOutput", "STTLossConfig", "TTSLossConfig", "prompt_ids", "user_frames",
-           "stt_forward", "tts_forward", "stt_loss", "tts_loss", "masking_rate", "quantizer_masks"]
+           "stt_forward", "tts_forward", "teacher_forced_codes", "stt_loss", "tts_loss", "masking_rate",
+           "quantizer_masks"]

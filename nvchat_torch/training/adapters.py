@@ -29,7 +29,7 @@ from torch import nn
 from ..models.config import QuantSpec
 from ..models.quant import Int4PackedLinear, QuantizedLinear, quantize_affine
 
-__all__ = ["LLM_TARGETS", "TTS_TARGETS", "LoRALinear", "FrozenPacked", "dense_weight", "add_lora", "lora_modules", "lora_parameters",
+__all__ = ["LLM_TARGETS", "TTS_TARGETS", "LoRALinear", "FrozenPacked", "dense_weight", "add_lora", "freeze_packed", "lora_modules", "lora_parameters",
            "save_adapter", "load_adapter", "merge_lora", "save_merged"]
 
 # Module names (regular expressions, full match) that take an adapter by default.
@@ -97,11 +97,8 @@ class LoRALinear(nn.Module):
         device = next(t for t in [*base.parameters(), *base.buffers()]).device
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), peft's init of A
-        with torch.no_grad():
-            self.lora_A.weight.copy_(torch.rand(self.lora_A.weight.shape, generator=generator, device=device)
-                                     .mul_(2 * bound).sub_(bound))
-            self.lora_B.weight.zero_()
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)  # peft's init of A
+        nn.init.zeros_(self.lora_B.weight)
         self.dropout = dropout
         self.generator = generator  # the dropout masks' draws, in training mode
         self.packed = isinstance(base, (QuantizedLinear, Int4PackedLinear))
@@ -147,7 +144,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
              targets: str | list[str] = (LLM_TARGETS, TTS_TARGETS), generator: torch.Generator | None = None,
              dtype: torch.dtype = torch.float32) -> list[str]:
     """Wrap every linear whose name fully matches one of ``targets`` in a :class:`LoRALinear`; freezes the
-    whole model first (only the adapters train). Returns the wrapped names (an error if none match)."""
+    whole model first (only the adapters train). Returns the wrapped names (an error if none match). A
+    packed model that trains also needs :func:`freeze_packed`."""
     patterns = [re.compile(t) for t in ([targets] if isinstance(targets, str) else targets)]
     model.requires_grad_(False)
     names = [n for n, m in model.named_modules() if _linear_like(m) and any(p.fullmatch(n) for p in patterns)]
@@ -158,12 +156,21 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
         holder = model.get_submodule(parent)
         layer = LoRALinear(getattr(holder, child), r, alpha, dropout, generator, dtype)
         setattr(holder, child, layer.train(model.training))  # the model's mode (a new module trains)
-    _forget_speech_tracks(model)
-    for holder in list(model.modules()):  # the other packed linears: a backward that dequantizes, holds nothing
+    _forget_speech_tracks(model)  # the TTS's weights changed
+    return names
+
+
+def freeze_packed(model: nn.Module) -> list[str]:
+    """Put every packed linear that has no adapter behind a :class:`FrozenPacked`, so that gradients pass
+    through it (torch's int4pack op has no derivative) without it keeping a dequantized weight for the
+    backward. Returns the wrapped names."""
+    names = []
+    for holder_name, holder in list(model.named_modules()):
         if not isinstance(holder, (LoRALinear, FrozenPacked)):
             for child, m in list(holder.named_children()):
                 if isinstance(m, (QuantizedLinear, Int4PackedLinear)):
                     setattr(holder, child, FrozenPacked(m).train(model.training))
+                    names.append(f"{holder_name}.{child}" if holder_name else child)
     return names
 
 

@@ -4,7 +4,7 @@
 
 Without ``--model`` it trains the tiny embedded model (random weights): the whole loop runs in seconds.
 Each step takes one conversation of the manifest (shuffled by ``--seed``) through NVIDIA's two objectives,
-teacher-forced (:mod:`nvchat_torch.training`): the STT loss (text and function channels) and, where the
+teacher-forced (:mod:`nvchat_torch.training.objectives`): the STT loss (text and function channels) and, where the
 conversation has agent audio, the TTS loss (the MoG head's ``c_loss + k_loss``). By default LoRA adapters
 on the LLM and the TTS backbone train (the packed 4-bit base stays packed); ``--full`` trains the weights
 themselves, freezing as NVIDIA's recipe does (the codec and the RNNT always).
@@ -31,7 +31,7 @@ from . import adapters
 from .labels import Example, build_example, read_manifest
 from .objectives import STTLossConfig, TTSLossConfig, stt_forward, stt_loss, tts_forward, tts_loss
 
-__all__ = ["STT_TRAINS", "TTS_TRAINS", "ALWAYS_FROZEN", "set_trainable", "train_step", "main"]
+__all__ = ["STT_TRAINS", "TTS_TRAINS", "ALWAYS_FROZEN", "set_trainable", "train_step", "FineTuneRecipe", "main"]
 
 # What each objective trains in NVIDIA's recipe (s2s_duplex_stt.yaml freeze_params: the codec only;
 # nemotron_voicechat_nano9b.yaml speech_generation.freeze_params: the codec and the TTS's own text embedding,
@@ -159,71 +159,93 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class FineTuneRecipe:
+    """The command's run as torchtune's recipes are: :meth:`setup` (checks, the model, the examples, what
+    trains, the optimizer), :meth:`train` (the steps, logged), :meth:`save` (the adapter or the card)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
+        self.out = Path(args.out)
+
+    def setup(self) -> None:
+        args = self.args
+        if not self.objectives or set(self.objectives) - {"stt", "tts"}:
+            raise SystemExit(f"--objectives: stt and/or tts, got {args.objectives!r}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        conversations = read_manifest(args.data)
+        if args.int4pack and (args.full or args.merge):
+            raise SystemExit("--int4pack: the adapters then sit over a layout no card has; drop --full / --merge")
+        if args.accumulate < 1:
+            raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
+        model = self.model = _load(args)
+        if args.int4pack:
+            from ..models.quant import pack_int4
+            print(f"int4pack: {pack_int4(model)} packed linears", file=sys.stderr)
+        self.examples = [build_example(model, c, advance=args.advance, delay=args.delay,
+                                       delay_eos_by=args.delay_eos_by, delay_bos_by=args.delay_bos_by,
+                                       speech_delay=args.speech_delay) for c in conversations]
+        self.generator = torch.Generator(device=model.device).manual_seed(args.seed)  # the objectives' draws
+        self.order = torch.Generator().manual_seed(args.seed)  # the conversations' order
+        if args.full:
+            set_trainable(model, self.objectives, args.freeze, args.train)
+            params = [p for p in model.parameters() if p.requires_grad]
+        else:
+            named = {"llm": adapters.LLM_TARGETS, "tts": adapters.TTS_TARGETS}
+            targets = [named.get(t.strip(), t.strip()) for t in args.lora_targets.split(",") if t.strip()]
+            adapters.add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets,
+                              torch.Generator(device=model.device).manual_seed(args.seed))
+            adapters.freeze_packed(model)
+            params = adapters.lora_parameters(model)
+        model.train()
+        self.stt_config = STTLossConfig(args.text_loss_weight, args.function_loss_weight, args.token_weights,
+                                        args.function_token_weights)
+        self.tts_config = TTSLossConfig(args.max_training_rate, TTSLossConfig.exponent, args.quantizer_dropout,
+                                        args.p_uncond, args.label_smoothing)
+        # NVIDIA's optimizer: AdamW, betas (0.9, 0.98) (nemotron_voicechat_nano9b.yaml); no schedule here.
+        self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+        config = {**vars(args), "trainable_parameters": sum(p.numel() for p in params),
+                  "stt_loss": asdict(self.stt_config), "tts_loss": asdict(self.tts_config),
+                  "source": getattr(model, "source", None)}
+        (self.out / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+    def train(self) -> None:
+        args, model = self.args, self.model
+        progress = _Progress(args.steps)
+        with open(self.out / "loss_log.jsonl", "w") as log:
+            order: list[int] = []
+            for step in range(args.steps):
+                start = time.perf_counter()
+                self.optimizer.zero_grad(set_to_none=True)
+                totals: dict[str, float] = {}
+                for _ in range(args.accumulate):  # the mean of the conversations' losses
+                    if not order:
+                        order = torch.randperm(len(self.examples), generator=self.order).tolist()
+                    losses = train_step(model, self.examples[order.pop()], self.objectives, self.generator,
+                                        self.stt_config, self.tts_config)
+                    (losses["loss"] / args.accumulate).backward()
+                    for k, v in losses.items():
+                        totals[k] = totals.get(k, 0.0) + float(v.detach()) / args.accumulate
+                self.optimizer.step()
+                log.write(json.dumps({"step": step + 1, **totals, "seconds": time.perf_counter() - start}) + "\n")
+                log.flush()
+                progress.update({k: v for k, v in totals.items() if k.endswith("loss")})
+        progress.close()
+
+    def save(self) -> None:
+        self.model.eval()
+        if not self.args.full:
+            adapters.save_adapter(self.model, self.out / "adapter")
+        if self.args.full or self.args.merge:
+            adapters.save_merged(self.model, self.out / "model")
+        print(f"wrote {self.out}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
-    if not objectives or set(objectives) - {"stt", "tts"}:
-        raise SystemExit(f"--objectives: stt and/or tts, got {args.objectives!r}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    conversations = read_manifest(args.data)
-    if args.int4pack and (args.full or args.merge):
-        raise SystemExit("--int4pack: the adapters then sit over a layout no card has; drop --full / --merge")
-    if args.accumulate < 1:
-        raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
-    model = _load(args)
-    if args.int4pack:
-        from ..models.quant import pack_int4
-        print(f"int4pack: {pack_int4(model)} packed linears", file=sys.stderr)
-    examples = [build_example(model, c, advance=args.advance, delay=args.delay, delay_eos_by=args.delay_eos_by,
-                              delay_bos_by=args.delay_bos_by, speech_delay=args.speech_delay) for c in conversations]
-    generator = torch.Generator(device=model.device).manual_seed(args.seed)
-    order = torch.Generator().manual_seed(args.seed)
-    if args.full:
-        set_trainable(model, objectives, args.freeze, args.train)
-        params = [p for p in model.parameters() if p.requires_grad]
-    else:
-        named = {"llm": adapters.LLM_TARGETS, "tts": adapters.TTS_TARGETS}
-        targets = [named.get(t.strip(), t.strip()) for t in args.lora_targets.split(",") if t.strip()]
-        adapters.add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets,
-                          torch.Generator(device=model.device).manual_seed(args.seed))
-        params = adapters.lora_parameters(model)
-    model.train()
-    stt_config = STTLossConfig(args.text_loss_weight, args.function_loss_weight, args.token_weights,
-                               args.function_token_weights)
-    tts_config = TTSLossConfig(args.max_training_rate, TTSLossConfig.exponent, args.quantizer_dropout,
-                               args.p_uncond, args.label_smoothing)
-    # NVIDIA's optimizer: AdamW, betas (0.9, 0.98) (nemotron_voicechat_nano9b.yaml); no schedule here.
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    config = {**{k: v for k, v in vars(args).items()}, "trainable_parameters": sum(p.numel() for p in params),
-              "stt_loss": asdict(stt_config), "tts_loss": asdict(tts_config), "source": getattr(model, "source", None)}
-    (out / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-    progress = _Progress(args.steps)
-    with open(out / "loss_log.jsonl", "w") as log:
-        perm: list[int] = []
-        for step in range(args.steps):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            totals: dict[str, float] = {}
-            for _ in range(args.accumulate):  # the mean of the conversations' losses
-                if not perm:
-                    perm = torch.randperm(len(examples), generator=order).tolist()
-                losses = train_step(model, examples[perm.pop()], objectives, generator, stt_config, tts_config)
-                (losses["loss"] / args.accumulate).backward()
-                for k, v in losses.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach()) / args.accumulate
-            optimizer.step()
-            values = totals
-            log.write(json.dumps({"step": step + 1, **values, "seconds": time.perf_counter() - start}) + "\n")
-            log.flush()
-            progress.update({k: v for k, v in values.items() if k.endswith("loss")})
-    progress.close()
-    model.eval()
-    if not args.full:
-        adapters.save_adapter(model, out / "adapter")
-    if args.full or args.merge:
-        adapters.save_merged(model, out / "model")
-    print(f"wrote {out}", file=sys.stderr)
+    recipe = FineTuneRecipe(parse_args(argv))
+    recipe.setup()
+    recipe.train()
+    recipe.save()
     return 0
 
 

@@ -17,13 +17,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..audio_io import read_wav
+from ..tool_prompt import CALL_END, CALL_START, RESPONSE_END
 
 __all__ = ["AgentTurn", "ToolCall", "Conversation", "read_manifest", "num_frames", "agent_channel",
            "delay_eos", "shift_channel", "FunctionChannel", "function_channel", "insert_frames",
            "FUNCTION_MARKERS", "function_marker_ids", "Example", "build_example"]
 
 # NeMo's start-of-call, end-of-call and end-of-result markers (duplex_stt_model.py 903-933).
-FUNCTION_MARKERS = ("<SPECIAL_20>", "<SPECIAL_21>", "<SPECIAL_22>")
+FUNCTION_MARKERS = (CALL_START, CALL_END, RESPONSE_END)
 
 
 @dataclass

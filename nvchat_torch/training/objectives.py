@@ -10,8 +10,9 @@ deterministic session's ids and codes are these forwards' argmax at every frame)
   user audio's encoder frame ``t`` plus the ids of frame ``t - 1`` (PAD before the first), as the
   session feeds back its own outputs; the system prompt rides on the user channel first.
 * :func:`tts_forward`: the MoG head's outputs per TTS step after the speaker warmup; step ``s`` sees the
-  codes of step ``s - 1`` (silence after an EOS) and the text id of its frame. With ``deterministic=True``
-  it also returns the codes a deterministic session picks.
+  codes of step ``s - 1`` (silence after an EOS) and the text id of its frame.
+* :func:`teacher_forced_codes`: the inference pass over the same inputs, and the codes a deterministic
+  session picks.
 
 :func:`stt_loss` and :func:`tts_loss` are NeMo's losses; every random draw (quantizer masking and dropout,
 classifier-free-guidance dropout) comes from the ``generator`` passed in.
@@ -19,6 +20,7 @@ classifier-free-guidance dropout) comes from the ``generator`` passed in.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -27,14 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from ..models.language_heads import fused_input, language_heads
-from ..tools import render_system_prompt
+from ..runtime.prompt import prompt_ids
 from .labels import function_marker_ids
 
 if TYPE_CHECKING:
     from ..networks import VoiceChatNetworks
 
 __all__ = ["STTOutput", "TTSOutput", "STTLossConfig", "TTSLossConfig", "prompt_ids", "user_frames",
-           "stt_forward", "tts_forward", "stt_loss", "tts_loss", "masking_rate", "quantizer_masks"]
+           "stt_forward", "tts_forward", "teacher_forced_codes", "stt_loss", "tts_loss", "masking_rate", "quantizer_masks"]
 
 
 @dataclass
@@ -54,18 +56,7 @@ class TTSOutput:
     log_std: torch.Tensor  # [B, S, 1], clamped at min_log_std
     src_mask: torch.Tensor  # [B, S, Q] bool: quantizers given to the head (the rest are predicted)
     tgt_mask: torch.Tensor  # [B, S, Q] bool
-    codes: torch.Tensor | None = None  # [B, S, Q] long: deterministic mode's picks
-
-
-def prompt_ids(model: VoiceChatNetworks, system_prompt: str | None, tools: Sequence[dict] | None = None) -> list[int]:
-    """The system prompt's LLM ids as a session builds them: ``None`` is the card's default prompt,
-    a blank prompt none; with ``tools``, NVIDIA's function-calling prompt; BOS + text + EOS."""
-    cfg = model.config
-    text = render_system_prompt(system_prompt, tools) if tools else system_prompt
-    text = cfg.default_system_prompt if text is None else text
-    if not text.strip():
-        return []
-    return [cfg.bos_token_id, *model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
+    codes: torch.Tensor | None = None  # [B, S, Q] long: teacher_forced_codes' picks
 
 
 def user_frames(model: VoiceChatNetworks, audio_16k: torch.Tensor, frames: int) -> torch.Tensor:
@@ -234,125 +225,103 @@ def _with_mask_code(codes: torch.Tensor, keep: torch.Tensor, mask_code: int) -> 
 
 
 def tts_forward(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int], codes: torch.Tensor, *,
-                deterministic: bool = False, generator: torch.Generator | None = None,
-                config: TTSLossConfig | None = None, eos_resets: bool = True) -> TTSOutput:
-    """The MoG head's outputs at every TTS step ``[B, S, ...]``, teacher-forced after the speaker warmup.
+                generator: torch.Generator | None = None, config: TTSLossConfig | None = None,
+                eos_resets: bool = True) -> TTSOutput:
+    """The MoG head's outputs at every TTS step ``[B, S, ...]``, teacher-forced after the speaker warmup:
+    NeMo's training pass (``forward`` with ``training=True``, ear_tts_model.py 1340-1470): input quantizer
+    dropout, the text condition dropped with ``p_uncond``, the head given ``embed_code`` of the known
+    quantizers; all draws from ``generator``.
 
     ``text_ids [S]`` / ``[B, S]``: each step's text id (the LLM's text output of its frame); ``codes
     [B, S, Q]``: each step's codes. Step ``s``'s input is step ``s - 1``'s codes (the warmup's mask codes
     before the first), replaced by the silence codes where its text id is EOS, as the session resets them
     (``eos_resets=False``: no reset, as NeMo's training feeds the shifted codes, ear_tts_model.py 1364-1365).
-
-    ``deterministic=True``: the inference pass (conditional and unconditional rows, guidance), the head
-    fed the target codes quantizer by quantizer as the schedule decides them; returns its outputs at each
-    draw's first quantizer and ``codes``, the deterministic session's picks. Otherwise the training pass
-    (NeMo's ``forward`` with ``training=True``, ear_tts_model.py 1340-1470): input quantizer dropout, the
-    text condition dropped with ``p_uncond``, the head given ``embed_code`` of the known quantizers; all
-    draws from ``generator``.
     """
     config = config or TTSLossConfig()
-    device = model.device
-    speech = model.tts_model
-    tts = speech.tts_model
-    tcfg = tts.config
-    text = _ids(text_ids, device, "text_ids")
-    codes = torch.as_tensor(codes, device=device).long()
-    codes = codes[None] if codes.dim() == 2 else codes
+    tts = model.tts_model.tts_model
+    text, codes, previous = _tts_steps(model, text_ids, codes, eos_resets)
     b, s = text.shape
-    if codes.shape != (b, s, tcfg.num_quantizers):
-        raise ValueError(f"codes must be [B, S, {tcfg.num_quantizers}] for text_ids {list(text.shape)}, "
-                         f"got {list(codes.shape)}")
-    prompt = model.tts_prompt()  # made under inference_mode: its tensors are cloned before autograd sees them
-    prompt_codes, subword_ids, subword_mask, audio = (t.clone() for t in (prompt.codes, prompt.subword_ids,
-                                                                           prompt.subword_mask, prompt.audio_mask))
-    latents = speech.audio_prompt_latents.latents()  # the speaker latents themselves (trainable if asked)
-    first = prompt_codes[:, -1:].expand(b, 1, -1)
-    previous = torch.cat([first, codes[:, :-1]], dim=1)
-    if eos_resets:
-        previous = torch.where((text == speech.eos_token_id)[..., None], speech.silence_codes(torch.long), previous)
-    dtype = tts.activation_dtype
-    src = keep = torch.ones_like(codes, dtype=torch.bool)
-    if not deterministic:
-        src, keep = quantizer_masks((b, s), tcfg.num_quantizers, config, generator, device)
-        previous = _with_mask_code(previous, keep, tcfg.mask_code)
-    # The warmup's inputs (as EarTTS.warmup builds them), then the steps'.
-    shifted = torch.cat([torch.zeros_like(prompt_codes[:, :1]), prompt_codes[:, :-1]], dim=1)
-    bos = audio & ~torch.cat([torch.zeros_like(audio[:, :1]), audio[:, :-1]], dim=1)
-    before = (bos.cumsum(1) == 0)[..., None]
-    warm = tts.embed_code(tts.depth_sum(shifted).to(dtype))
-    warm = torch.where(before, latents.to(dtype), warm) + bos[..., None] * tts.bos_emb
-    warm_text = tts.embed_subword(subword_ids, subword_mask)
-    steps = tts.embed_code(tts.depth_sum(previous).to(dtype))
-    step_text = tts.embed_subword(text)
-    code_embed = torch.cat([warm.expand(b, -1, -1), steps], dim=1)
-    cond = torch.cat([warm_text.expand(b, -1, -1).to(step_text.dtype), step_text], dim=1)
+    src, keep = quantizer_masks((b, s), tts.config.num_quantizers, config, generator, model.device)
+    code_embed, cond, warm_len = _tts_inputs(model, text, _with_mask_code(previous, keep, tts.config.mask_code))
     null = tts.null_emb.to(cond.dtype).expand_as(cond)
-    warm_len = warm.shape[1]
-    if deterministic:  # each conversation's conditional and unconditional rows, side by side
-        fused = tts.gated_fusion_audio_text(code_embed.repeat_interleave(2, 0),
-                                            torch.stack([cond, null], dim=1).flatten(0, 1))
-        hidden = tts.backbone(fused)[:, warm_len:]
-        return _deterministic_codes(model, hidden, codes)
-    dropped = torch.rand((b, 1, 1), generator=generator, device=device) < config.p_uncond
+    dropped = torch.rand((b, 1, 1), generator=generator, device=model.device) < config.p_uncond
     fused = tts.gated_fusion_audio_text(code_embed, torch.where(dropped, null, cond))
     hidden = tts.backbone(fused)[:, warm_len:]
-    x = hidden + tts.embed_code(tts.depth_sum(_with_mask_code(codes, src, tcfg.mask_code)).to(hidden.dtype))
-    logits, mus, mu_res, log_std = _mog_outputs(tts.mog_head, x)
+    x = hidden + tts.embed_code(tts.depth_sum(_with_mask_code(codes, src, tts.config.mask_code)).to(hidden.dtype))
+    logits, mus, mu_res, log_std = tts.mog_head.distribution(tts.mog_head.features(x))
     return TTSOutput(logits, mus, mu_res, log_std, src, torch.ones_like(src))
 
 
-def _mog_outputs(head: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """NeMo's ``MoGHead.forward`` (ear_tts_model.py 616-639) with the port's modules."""
-    for layer in head.mlp_stack:
-        x = layer(x)
-    logits, log_std, rest = head.heads(x)
-    mus = head.proj_mus(x).unflatten(-1, (head.num_predictions, head.low_rank))
-    return logits, mus, rest, log_std.clamp(min=head.min_log_std)
-
-
-def _deterministic_codes(model: VoiceChatNetworks, hidden: torch.Tensor, codes: torch.Tensor) -> TTSOutput:
-    """The inference schedule (``EarTTS.generate_codes``, deterministic) at every step at once, each draw's
-    head input built from the *target* codes decided before it (teacher forcing); its picks are the
-    session's codes wherever the targets are."""
+def teacher_forced_codes(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int], codes: torch.Tensor, *,
+                         eos_resets: bool = True) -> TTSOutput:
+    """The inference pass at every TTS step at once, teacher-forced as :func:`tts_forward` is: the
+    conditional and unconditional rows with guidance, and the head fed the *target* codes quantizer by
+    quantizer as the schedule (``EarTTS.generate_codes``, deterministic) decides them. Returns the head's
+    outputs at each step's first draw and, in ``codes``, its picks: a deterministic session's codes
+    wherever the targets are."""
     tts = model.tts_model.tts_model
+    text, codes, previous = _tts_steps(model, text_ids, codes, eos_resets)
+    code_embed, cond, warm_len = _tts_inputs(model, text, previous)
+    null = tts.null_emb.to(cond.dtype).expand_as(cond)
+    fused = tts.gated_fusion_audio_text(code_embed.repeat_interleave(2, 0),  # each conversation's two rows
+                                        torch.stack([cond, null], dim=1).flatten(0, 1))
+    hidden = tts.backbone(fused)[:, warm_len:]
     b, s, q = codes.shape
     # hidden [2B, S, H] (each conversation's conditional, then unconditional row) -> rows (conversation, step,
     # conditional / unconditional), the pairs generate_codes takes
     flat = hidden.unflatten(0, (b, 2)).transpose(1, 2).reshape(b * s * 2, -1)
-    picked = []
+    head = tts.mog_head
+    picked, outputs = [], []
     decided = None
-    outputs = []
-    for step, (start, count) in enumerate(tts.schedule):
-        x = flat
-        if decided is not None:
-            x = x + tts.embed_code(decided.repeat_interleave(2, 0).to(x.dtype))
-        head = tts.mog_head
+    for start, count in tts.schedule:
+        x = flat if decided is None else flat + tts.embed_code(decided.repeat_interleave(2, 0).to(flat.dtype))
         mean, _ = head(x, tts.config.guidance_scale, tts.config.top_p, None, True)
         index, _ = tts.assign(mean.float(), start, count, None, False)
         picked += index
-        y = x
-        for layer in head.mlp_stack:
-            y = layer(y)
-        outputs.append(y.view(b, s, 2, -1)[:, :, 0])
+        outputs.append(head.features(x).view(b, s, 2, -1)[:, :, 0])
         target = codes.reshape(b * s, q)[:, start:start + count]
         rows = tts.codebooks()[0][torch.arange(start, start + count, device=codes.device), target].sum(-2)
         decided = rows if decided is None else decided + rows
-    picks = torch.cat(picked, dim=-1).view(b, s, q)
-    first = outputs[0]
-    logits, log_std, rest = tts.mog_head.heads(first)
-    mus = tts.mog_head.proj_mus(first).unflatten(-1, (tts.mog_head.num_predictions, tts.mog_head.low_rank))
+    logits, mus, mu_res, log_std = head.distribution(outputs[0])
     ones = torch.ones_like(codes, dtype=torch.bool)
-    return TTSOutput(logits, mus, rest, log_std.clamp(min=tts.mog_head.min_log_std), ~ones, ones, picks)
+    return TTSOutput(logits, mus, mu_res, log_std, ~ones, ones, torch.cat(picked, dim=-1).view(b, s, q))
 
 
-def _low_rank_distance(low_mat: torch.Tensor, mus: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``MoGHead.dist`` with the low-rank means (ear_tts_model.py 641-675): ``|L_k m_k - y|^2`` ``[B, S, K]``
-    for means ``m [B, S, K, r]``, ``L [K, latent, r]`` and a target ``y [B, S, latent]``."""
-    gram = low_mat.transpose(-1, -2) @ low_mat  # [K, r, r]
-    wx_sq = (mus * torch.einsum("btni,nij->btnj", mus, gram)).sum(-1)
-    y_sq = y.pow(2).sum(-1, keepdim=True)
-    xwy = (mus * torch.einsum("bti,nij->btnj", y, low_mat)).sum(-1)
-    return (wx_sq + y_sq - 2 * xwy).abs()
+def _tts_steps(model: VoiceChatNetworks, text_ids: torch.Tensor | Sequence[int], codes: torch.Tensor,
+               eos_resets: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The steps' text ids ``[B, S]``, codes ``[B, S, Q]`` and each step's input codes (the previous
+    step's; the warmup's last before the first; silence after an EOS where ``eos_resets``)."""
+    speech = model.tts_model
+    quantizers = speech.tts_model.config.num_quantizers
+    text = _ids(text_ids, model.device, "text_ids")
+    codes = torch.as_tensor(codes, device=model.device).long()
+    codes = codes[None] if codes.dim() == 2 else codes
+    b, s = text.shape
+    if codes.shape != (b, s, quantizers):
+        raise ValueError(f"codes must be [B, S, {quantizers}] for text_ids {list(text.shape)}, got {list(codes.shape)}")
+    first = model.tts_prompt().codes[:, -1:].clone().expand(b, 1, -1)  # the prompt was made under inference_mode
+    previous = torch.cat([first, codes[:, :-1]], dim=1)
+    if eos_resets:
+        previous = torch.where((text == speech.eos_token_id)[..., None], speech.silence_codes(torch.long), previous)
+    return text, codes, previous
+
+
+def _tts_inputs(model: VoiceChatNetworks, text: torch.Tensor,
+                previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The backbone's code embeddings and text conditioning ``[B, F + S, H]``: the speaker warmup's (with
+    the speaker latents themselves, trainable if asked), then the steps'; and ``F``."""
+    speech = model.tts_model
+    tts = speech.tts_model
+    prompt = model.tts_prompt()  # made under inference_mode: its tensors are cloned before autograd sees them
+    prompt = dataclasses.replace(prompt, codes=prompt.codes.clone(), subword_ids=prompt.subword_ids.clone(),
+                                 subword_mask=prompt.subword_mask.clone(), audio_mask=prompt.audio_mask.clone())
+    warm, warm_text = tts.warmup_inputs(prompt, speech.audio_prompt_latents.latents())
+    b = text.shape[0]
+    steps = tts.embed_code(tts.depth_sum(previous).to(tts.activation_dtype))
+    step_text = tts.embed_subword(text)
+    code_embed = torch.cat([warm.expand(b, -1, -1), steps], dim=1)
+    cond = torch.cat([warm_text.expand(b, -1, -1).to(step_text.dtype), step_text], dim=1)
+    return code_embed, cond, warm.shape[1]
 
 
 def tts_loss(model: VoiceChatNetworks, out: TTSOutput, codes: torch.Tensor, step_mask: torch.Tensor | None = None,
@@ -373,7 +342,7 @@ def tts_loss(model: VoiceChatNetworks, out: TTSOutput, codes: torch.Tensor, step
     steps = target.any(-1).float()
     y = tts.depth_sum(_with_mask_code(codes, target, tts.config.mask_code)).float()
     log_std, mus, mu_res = out.log_std.float(), out.mus.float(), out.mu_res.float()
-    distance = _low_rank_distance(head.low_mat.float(), mus, (y - mu_res) * torch.exp(-log_std))
+    distance = head.distance(mus, (y - mu_res) * torch.exp(-log_std))
     logp = (-0.5 * math.log(2 * math.pi) - log_std) * tts.config.latent_size - 0.5 * distance
     k = head.num_predictions
     q = (torch.softmax(logp, -1) * (1 - config.label_smoothing) + config.label_smoothing / k).detach()

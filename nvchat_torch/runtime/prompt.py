@@ -1,31 +1,35 @@
-"""Prefilled system prompts kept for the next session with the same prompt (as mlx-lm's prompt cache and
-vLLM's prefix cache keep theirs).
-
-A session's prefill advances its timeline one position per prompt token, the LLM over the prompt and
-a TTS step per token (on PAD text, so the TTS half depends on the prompt's length, the seed and the
-mode, not its words). Every framework session sends the same instructions and tools, so the server's
-engine keeps the timeline as the prefill left it (the LLM and TTS caches, the previous codes, the
-random generator's state, the position), keyed by everything that determines it: the prompt's ids,
-the seed, the mode (deterministic or sampling), the cache path, and the model's dtype and device. A
-session whose key is kept starts from a copy: it joins at once, and its frames are the ones a fresh
-prefill would give (``tests/test_prompt_cache.py``). The entries are bounded in bytes and the least
-recently used go first.
-"""
+"""A session's system prompt: its LLM ids, and the prefilled prompts kept for the next session with the
+same ids (as mlx-lm's prompt cache and vLLM's prefix cache keep theirs). Every framework session sends
+the same instructions and tools, so a kept prefill lets it join at once, with the frames a fresh
+prefill would give (``tests/test_prompt_cache.py``). Entries are bounded in bytes, least recently used
+dropped first."""
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-__all__ = ["PromptCache", "PromptState"]
+from ..tool_prompt import render_system_prompt
 
-# What a prefill changes on a Timeline (nvchat_torch.runtime.timeline), besides the generator's state.
-_FIELDS = ("language_cache", "history", "tts_cache", "previous_code", "prev_text", "prev_function", "index",
-           "last_hidden")
+if TYPE_CHECKING:
+    from .timeline import Timeline, TimelineState
+
+__all__ = ["prompt_ids", "PromptCache", "PromptState"]
+
+
+def prompt_ids(model: Any, system_prompt: str | None, tools: Sequence[dict] | None = None) -> list[int]:
+    """The system prompt's LLM ids, the one builder sessions and training share: ``None`` is the card's
+    default prompt, a blank prompt none; with ``tools``, NVIDIA's function-calling prompt; BOS + text +
+    EOS. ``model``: what holds the ``config`` and the ``tokenizer`` (the model or its networks)."""
+    cfg = model.config
+    text = render_system_prompt(system_prompt, tools) if tools else system_prompt
+    text = cfg.default_system_prompt if text is None else text
+    if not text.strip():
+        return []
+    return [cfg.bos_token_id, *model.tokenizer.encode(text, add_special_tokens=False), cfg.eos_token_id]
 
 
 def _nbytes(value: Any) -> int:
@@ -50,11 +54,10 @@ def _nbytes(value: Any) -> int:
 
 @dataclass
 class PromptState:
-    """A timeline as its prompt's prefill left it (copies, owned by the cache)."""
+    """A timeline as its prompt's prefill left it, owned by the cache."""
 
-    fields: dict[str, Any]
-    generator_state: torch.Tensor
-    nbytes: int
+    timeline: TimelineState  # Timeline.snapshot(): copies
+    nbytes: int  # the tensors' bytes, each storage once
 
 
 class PromptCache:
@@ -81,7 +84,7 @@ class PromptCache:
         return (tuple(int(i) for i in prompt), int(options.seed), bool(options.deterministic),
                 bool(options.use_language_cache), str(model.dtype), str(model.device))
 
-    def restore(self, key: tuple, timeline: Any) -> bool:
+    def restore(self, key: tuple, timeline: Timeline) -> bool:
         """Give ``timeline`` (fresh, not prefilled) the kept state of ``key``, as copies; False when none is kept."""
         entry = self._entries.get(key)
         if entry is None:
@@ -89,17 +92,15 @@ class PromptCache:
             return False
         self._entries.move_to_end(key)
         self.hits += 1
-        for name, value in copy.deepcopy(entry.fields).items():
-            setattr(timeline, name, value)
-        timeline.generator.set_state(entry.generator_state.clone())
+        timeline.restore(entry.timeline)
         return True
 
-    def save(self, key: tuple, timeline: Any) -> None:
+    def save(self, key: tuple, timeline: Timeline) -> None:
         """Keep a copy of ``timeline`` as its prefill left it (before a frame step takes its caches)."""
         if key in self._entries or not self.max_bytes:
             return
-        fields = copy.deepcopy({name: getattr(timeline, name) for name in _FIELDS})
-        entry = PromptState(fields, timeline.generator.get_state().clone(), _nbytes(list(fields.values())))
+        state = timeline.snapshot()
+        entry = PromptState(state, _nbytes(state))
         if entry.nbytes > self.max_bytes:
             return
         self._entries[key] = entry
