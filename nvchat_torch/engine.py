@@ -2,15 +2,9 @@
 
 ``engine = model.create_engine(max_sessions=8)``; ``h = engine.open(StreamingOptions(...))``;
 ``h.push_audio(samples, rate)`` buffers; ``engine.step()`` runs one frame for every session with a
-complete frame pending, through log-mel, Conformer, RNNT, LLM, TTS and codec at once, and returns
-``{handle: events}``; ``h.flush()`` / ``h.cancel()`` end a session.
-
-Each session occupies a slot: one row of the engine's :class:`~nvchat_torch.runtime.frame_step.FrameStep`,
-the frame path a :class:`StreamingSession` runs alone with one row, so a row computes what its
-session alone computes. A session is opened by a :class:`StreamingSession` at batch 1 (its system
-prompt prefilled exactly as alone), whose caches then move into the slot; its host side
-(detokenizers, tool calls, limits) stays that session's.
-"""
+complete frame pending and returns ``{handle: events}``; ``h.flush()`` / ``h.cancel()`` end a session.
+Each session is a row of the engine's :class:`~nvchat_torch.runtime.frame_step.FrameStep`, so a row
+computes what its session alone computes (docs/engine.md, "How it works")."""
 
 from __future__ import annotations
 

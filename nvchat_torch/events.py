@@ -39,18 +39,18 @@ EventKind = Literal["assistant_text_delta", "function_delta", "user_transcript_d
 class VoiceChatEvent:
     """One frame-aligned output of a streaming session."""
 
-    kind: EventKind
-    frame_index: int | None = None
-    token_id: int | None = None
-    delta: str | None = None
+    kind: EventKind  # what the event carries; the fields it does not use stay None
+    frame_index: int | None = None  # the step that emitted it, counted from the session's first
+    token_id: int | None = None  # the id the step emitted on the event's channel
+    delta: str | None = None  # text deltas: the newly emitted text
+    # Text deltas: the channel's cumulative text. tool_call / tool_call_error: the call span's decoded text.
     text: str | None = None
     samples: np.ndarray | None = None  # float32, `sample_rate` Hz (audio events)
-    sample_rate: int | None = None
+    sample_rate: int | None = None  # Hz of `samples` (audio events)
     audio_codes: np.ndarray | None = None  # int32 [num_quantizers] (audio events)
-    # tool_call / tool_call_error events (nvchat_torch.tools); `text` is the call span's decoded text
-    call_id: str | None = None
-    name: str | None = None
-    arguments: dict | None = None
+    call_id: str | None = None  # tool_call / tool_call_error (nvchat_torch.tools): the call's id
+    name: str | None = None  # tool_call / tool_call_error: the tool's name as written
+    arguments: dict | None = None  # tool_call: the parsed arguments
     # tool_call_error: why the span was not a call to an offered tool; turn (StreamingOptions.turn_taking):
     # what the policy did this frame, one of nvchat_torch.turn_taking.REASONS ("user_speech",
     # "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed"); `token_id` is the
@@ -69,15 +69,15 @@ MAX_STREAMING_SECONDS = 1e9  # a bound for max_streaming_seconds (any model's co
 
 @dataclass
 class StreamingOptions:
-    """How a streaming session runs. ``deterministic`` picks the most likely MoG component with no noise."""
+    """How a streaming session runs."""
 
-    system_prompt: str | None = None
-    seed: int = 0
-    max_streaming_seconds: float | None = None
-    use_language_cache: bool = True
-    use_perception_cache: bool = True
-    profile: bool = False
-    deterministic: bool = False
+    system_prompt: str | None = None  # the prompt the session starts from; None: none
+    seed: int = 0  # seeds the session's sampling
+    max_streaming_seconds: float | None = None  # a length limit (ContextLimit past it); None: the model's context
+    use_language_cache: bool = True  # False recomputes the LLM each step (a diagnostic)
+    use_perception_cache: bool = True  # False recomputes the mel and encoder over recent audio (a diagnostic)
+    profile: bool = False  # time each stage of each step (VoiceChatProfile)
+    deterministic: bool = False  # pick the most likely MoG component, with no noise
     tools: list[dict] | None = None  # OpenAI-format function tools (nvchat_torch.tools), at most 5
     # NVIDIA's turn-taking policy (nvchat_torch.turn_taking; a mapping of some of its fields is taken
     # too); None: the raw model decides alone when to speak, as the MLX reference does
@@ -143,13 +143,13 @@ class ContextLimit(RuntimeError):
 class FrameTiming:
     """Stage latencies of one 80 ms audio frame, each measured after a device synchronize."""
 
-    frame_index: int
-    perception_ms: float
-    rnnt_ms: float
-    language_ms: float
-    tts_ms: float
-    codec_ms: float
-    total_ms: float
+    frame_index: int  # the step timed
+    perception_ms: float  # mel and audio encoder
+    rnnt_ms: float  # user-transcript decoder
+    language_ms: float  # language model
+    tts_ms: float  # speech-token decoder
+    codec_ms: float  # codes to samples
+    total_ms: float  # the whole step, start to end
 
     @classmethod
     def from_stamps(cls, frame_index: int, stamps: Sequence[float]) -> "FrameTiming":
@@ -178,8 +178,8 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class VoiceChatProfile:
-    frame_duration_ms: float
-    frames: list[FrameTiming] = field(default_factory=list)
+    frame_duration_ms: float  # one step's share of real time (80 ms)
+    frames: list[FrameTiming] = field(default_factory=list)  # one per profiled step, in order
 
     def summary(self, drop_first: int = 0) -> dict:
         """Per stage mean / p50 / p95 / max (ms) after dropping ``drop_first`` cold frames, with the
@@ -272,8 +272,8 @@ class TokenAccumulator:
       settled text up to a point no clean-up pattern can straddle.
 
     Cost: each token decodes a small window, the tokens since the last settled point plus the
-    context before them (at least one token, so decoders that strip a leading space at the start of
-    a decode, Metaspace or ``Strip``, see the same text), i.e. two decodes of 1-5 tokens in the
+    context before them. The context is at least one token, so decoders that strip a leading space at
+    the start of a decode (Metaspace, ``Strip``) see the same text. That is two decodes of 1-5 tokens in the
     usual case, whatever the session's length. The held tail grows only while it is undecided:
     inside a run of byte-fallback tokens (every token then decodes the run, O(run length)), or over
     tokens that decode to nothing; a ByteLevel tail that keeps ending in U+FFFD (invalid bytes) is
@@ -433,12 +433,12 @@ class TokenAccumulator:
 class VoiceChatResult:
     """The offline answer to one audio turn."""
 
-    text: str
+    text: str  # what the assistant said, decoded
     text_ids: np.ndarray  # int64 [frames]
     function_ids: np.ndarray  # int64 [frames]
-    function_text: str
-    user_transcript: str
+    function_text: str  # the function channel, decoded
+    user_transcript: str  # what the user said, as the model heard it
     audio: np.ndarray  # float32 [frames * 1764] at sample_rate
     audio_codes: np.ndarray  # int32 [frames, 31]
-    sample_rate: int
+    sample_rate: int  # Hz of `audio`
     tool_calls: list[VoiceChatEvent] = field(default_factory=list)  # tool_call / tool_call_error (with tools)

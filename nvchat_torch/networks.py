@@ -49,8 +49,8 @@ class DuplexSTTModel(nn.Module):
 
 
 class VoiceChatNetworks(nn.Module):
-    """The checkpoint's module tree and what the sessions drive of it (devices, dtypes, the post-load
-    transforms, the tokenizer). :class:`~nvchat_torch.model.VoiceChatModel` adds the ways to run it."""
+    """Beside the module tree, the state the sessions read: devices, dtypes, the post-load transforms and
+    the tokenizer."""
 
     def __init__(self, config: VoiceChatConfig):
         super().__init__()

@@ -105,10 +105,10 @@ def shipped_yaml() -> Path:
 
 @dataclass
 class NativeFunctions:
-    """``native_functions.yaml``: per op (``name.overload``), its dispatch keys and structured delegate."""
+    """The shipped ``native_functions.yaml``, read for what each op dispatches to."""
 
-    dispatch: dict[str, tuple[str, ...]]
-    delegate: dict[str, str]
+    dispatch: dict[str, tuple[str, ...]]  # per op (``name.overload``), its dispatch keys
+    delegate: dict[str, str]  # per op, its structured delegate, where it has one
 
     @classmethod
     def read(cls, path: Path | None = None) -> "NativeFunctions":
@@ -240,22 +240,21 @@ def mps_kernel(native: NativeFunctions, op: str) -> str | None:
 
 @dataclass
 class OpRow:
-    op: str
-    count: int = 0
-    dtypes: set[str] = field(default_factory=set)
-    where: set[str] = field(default_factory=set)
-    kernel: str | None = None
+    op: str  # the ATen op, ``aten::name.overload``
+    count: int = 0  # calls over every run
+    dtypes: set[str] = field(default_factory=set)  # dtype names of its tensors, inputs and outputs
+    where: set[str] = field(default_factory=set)  # ``"run scenario"`` for each place it ran
+    kernel: str | None = None  # what runs it on MPS (:func:`mps_kernel`); None: nothing does
 
 
 @dataclass
 class Audit:
-    """The recorded ops of every run, and what is wrong with them on MPS. ``bf16``: per run, the calls
-    that rounded to bf16 by network."""
+    """The recorded ops of every run, and what is wrong with them on MPS."""
 
-    rows: dict[str, OpRow]
-    problems: list[str]
-    runs: list[str] = field(default_factory=list)
-    bf16: dict[str, Counter] = field(default_factory=dict)
+    rows: dict[str, OpRow]  # per op name
+    problems: list[str]  # what fails on MPS or breaks a bf16 rule, sorted, each once
+    runs: list[str] = field(default_factory=list)  # the run names, ``"layout/mode"``, in order
+    bf16: dict[str, Counter] = field(default_factory=dict)  # per run, the calls that rounded to bf16 by network
 
     @classmethod
     def of(cls, runs: dict[str, Counter], native: NativeFunctions | None = None) -> "Audit":

@@ -28,15 +28,15 @@ MODES = {
 
 @dataclass
 class Trace:
-    """Per audio frame: ids, cumulative transcript, codes, audio, and both heads' logits."""
+    """What one side of the comparison produced, one entry per audio frame in each list."""
 
-    text_ids: list[int] = field(default_factory=list)
-    function_ids: list[int] = field(default_factory=list)
-    transcript: list[str] = field(default_factory=list)
-    codes: list[np.ndarray] = field(default_factory=list)
-    audio: list[np.ndarray] = field(default_factory=list)
-    text_logits: list[np.ndarray] = field(default_factory=list)
-    function_logits: list[np.ndarray] = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)  # the text head's id
+    function_ids: list[int] = field(default_factory=list)  # the function head's id
+    transcript: list[str] = field(default_factory=list)  # the user transcript so far, cumulative
+    codes: list[np.ndarray] = field(default_factory=list)  # the frame's audio codes
+    audio: list[np.ndarray] = field(default_factory=list)  # the frame's samples, float32
+    text_logits: list[np.ndarray] = field(default_factory=list)  # the text head's logits
+    function_logits: list[np.ndarray] = field(default_factory=list)  # the function head's logits
 
 
 def run_reference(model_path: str, wave: np.ndarray, prompt: str | None, seed: int) -> Trace:

@@ -2,12 +2,8 @@
 
 A :class:`StreamingSession` is one conversation: its system prompt's prefill (a
 :class:`~nvchat_torch.runtime.timeline.Timeline` at batch 1), then each 1280-sample frame as the one row of
-a :class:`~nvchat_torch.runtime.frame_step.FrameStep` (streaming log-mel -> one FastConformer frame ->
-projection; RNNT step; fused LLM input -> greedy text and function ids; EAR-TTS step -> 31 codes;
-codec step -> 1764 samples), the same frame path the batched engine's rows take; and its host side:
-the detokenizers, the tool channel, the limits and the events. A frame costs one host read (plus one
-per stage when profiling).
-"""
+a :class:`~nvchat_torch.runtime.frame_step.FrameStep`, the frame path the batched engine's rows take;
+and its host side: the detokenizers, the tool channel, the limits and the events (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -111,40 +111,39 @@ def _check_seconds(where: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class ToolHold:
-    """What the assistant says during a tool call; the defaults are NVIDIA's stock settings (Y 123-136).
-
-    * ``acknowledgements``: one, picked at random per call, is spoken while the model writes the call
-      (``fc_random_ack_enabled: true``; P 198-259, 450-459). ``()``: none (the setting false).
-    * ``on_hold``: per tool name a phrase or phrases (one picked at random), ``"default"`` for the other
-      tools; spoken once the call is written, while the tool runs (Layer 1; P 1641-1651, 1686-1700). The
-      default ``{"default": REMINDERS}`` is NVIDIA's stock Layer 1: with no per-tool map
-      (``fc_on_hold_messages_path: null``) and ``tool_reminder_enabled: true`` a random reminder line is
-      spoken, whatever the tool. A map given replaces it whole: keep a ``"default"`` entry for a line on the
-      tools it does not name. ``{}``: no Layer 1 (``tool_reminder_enabled: false``).
-    * ``generic``: lines of which up to ``max_generic`` (distinct, random) follow while the tool is still
-      running, each after ``generic_gap_s`` with the result checked before and after the gap (Layer 2; P
-      1702-1722, where the count is 2 and the gap 1 s). NVIDIA's stock list is none.
-    * ``timeout_s``: how long the result is then waited for (``fc_tool_timeout_sec``), counted after the
-      on-hold phrases (P 1728-1730, 385-390); past it ``timeout_result`` is injected as the tool's result
-      (P 1731-1736 inject ``{"error": "timeout", "message": ...}``; the message here is ours).
-      ``timeout_phrase``: spoken when that happens. NVIDIA lays out a fallback phrase (P 376-378) but never
-      speaks it, so the default is None.
-    * ``spell_numbers``: numbers in the result spelled out in words before injection
-      (``fc_convert_num_to_text: true``; :func:`tool_response_text`).
+    """One session's phrases and timing for its tool calls; the defaults are NVIDIA's stock settings (Y 123-136).
 
     Phrases are non-empty printable ASCII of at most :data:`MAX_PHRASE_CHARACTERS` characters. Bad values
     raise ``ValueError`` naming the field; :meth:`check_tools` checks the ``on_hold`` names against the
     session's tools, and :meth:`from_mapping` takes the fields as plain JSON values.
     """
 
+    # One, picked at random per call, is spoken while the model writes the call (``fc_random_ack_enabled:
+    # true``; P 198-259, 450-459). ``()``: none, the setting false.
     acknowledgements: tuple[str, ...] = ACKNOWLEDGEMENTS
+    # Per tool name a phrase or phrases, one picked at random; ``"default"`` for the other tools. Spoken once
+    # the call is written, while the tool runs (Layer 1; P 1641-1651, 1686-1700). The default
+    # ``{"default": REMINDERS}`` is NVIDIA's stock Layer 1: with no per-tool map (``fc_on_hold_messages_path:
+    # null``) and ``tool_reminder_enabled: true`` a random reminder line is spoken, whatever the tool. A map
+    # given replaces it whole: keep a ``"default"`` entry for a line on the tools it does not name. ``{}``: no
+    # Layer 1 (``tool_reminder_enabled: false``).
     on_hold: Mapping[str, str | Sequence[str]] = field(default_factory=_default_on_hold)
+    # Lines that follow while the tool is still running (Layer 2; P 1702-1722). NVIDIA's stock list is none.
     generic: tuple[str, ...] = ()
-    max_generic: int = 2
+    max_generic: int = 2  # at most this many generic lines, distinct and random (NVIDIA's count is 2)
+    # The wait before each generic line; the result is checked before and after it (NVIDIA's gap is 1 s).
     generic_gap_s: float = 1.0
+    # How long the result is then waited for (``fc_tool_timeout_sec``). It is counted after the on-hold
+    # phrases (P 1728-1730, 385-390).
     timeout_s: float = 15.0
+    # Injected as the tool's result past ``timeout_s``. P 1731-1736 inject ``{"error": "timeout", "message":
+    # ...}``; the message here is ours.
     timeout_result: Any = field(default_factory=_default_timeout_result)
+    # Spoken when the timeout hits. NVIDIA lays out a fallback phrase (P 376-378) but never speaks it, so the
+    # default is None.
     timeout_phrase: str | None = None
+    # Numbers in the result spelled out in words before injection (``fc_convert_num_to_text: true``;
+    # :func:`tool_response_text`).
     spell_numbers: bool = True
 
     def __post_init__(self) -> None:

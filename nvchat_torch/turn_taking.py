@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .models.layers import linear
+from .models.layers import RowCache, RowTensor, RowValue, linear
 
 if TYPE_CHECKING:
     from .models.rnnt import RnntState, RnntTranscriber
@@ -121,7 +121,7 @@ def punctuation_ids(config: TurnTakingConfig, vocabulary: Sequence[str]) -> dict
     return out
 
 
-class TurnTaking:
+class TurnTaking(RowCache):
     """The policy for ``batch`` conversations (rows), each with its own state; see the module doc.
 
     ``step(text_ids, user_blank, skip)`` runs one frame: ``text_ids [B]`` long, the LLM's text ids after
@@ -145,16 +145,28 @@ class TurnTaking:
         self.flags = torch.zeros(batch, 7, dtype=torch.bool, device=self.device)
         self.density = torch.zeros(batch, dtype=torch.float32, device=self.device)
         self.bias = torch.zeros(batch, dtype=torch.float32, device=self.device)  # the punctuation bias
-        self.reason = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.reasons = RowValue(torch.zeros(batch, dtype=torch.long, device=self.device))  # each row's last reason code
         self._upload()
         self.reset(range(batch))
-
-    # The tensors that carry a row's state from frame to frame (row = first axis).
-    STATE = ("counters", "flags", "density", "bias")
 
     @property
     def batch(self) -> int:
         return self.counters.shape[0]
+
+    @property
+    def reason(self) -> torch.Tensor:
+        """``[B]``: each row's reason code of the last frame (bits of :data:`REASONS`)."""
+        return self.reasons.tensor
+
+    def carried(self) -> list[RowTensor]:
+        """The tensors that carry a row's state from frame to frame (row = first axis)."""
+        return [(self.counters, 0, 1), (self.flags, 0, 1), (self.density, 0, 1), (self.bias, 0, 1)]
+
+    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+        self.counters, self.flags, self.density, self.bias = tensors
+
+    batched = carried
+    rebind = rebind_carried
 
     def _upload(self) -> None:
         """The rows' parameters as device tensors (sent when the configs change, not per frame)."""
@@ -193,13 +205,10 @@ class TurnTaking:
         have = self.batch
         if batch > have:
             self.configs += [config] * (batch - have)
-            for name in self.STATE + ("reason",):
-                t = getattr(self, name)
-                setattr(self, name, torch.cat([t, t.new_zeros(batch - have, *t.shape[1:])]))
         else:
             del self.configs[batch:]
-            for name in self.STATE + ("reason",):
-                setattr(self, name, getattr(self, name)[:batch])
+        super().resize(batch)
+        self.reasons.resize(batch)
         self._upload()
         if batch > have:
             self.reset(range(have, batch))
@@ -218,7 +227,7 @@ class TurnTaking:
         self.flags[index] = torch.tensor(flags).to(self.device)
         self.density[index] = 0.0
         self.bias[index] = 0.0
-        self.reason[index] = 0
+        self.reasons.tensor[index] = 0
 
     @property
     def active(self) -> bool:
@@ -286,7 +295,7 @@ class TurnTaking:
         # The window: the ids this row emitted, as their last frames.
         last_bos = torch.where(out == self.bos_id, t, last_bos)
         last_eos = torch.where(out == self.eos_id, t, last_eos)
-        self.reason = (torch.stack([user_speech, eou_fires, fallback_fires, barge, suppressed], 1) * self._bits).sum(1)
+        self.reasons.tensor = (torch.stack([user_speech, eou_fires, fallback_fires, barge, suppressed], 1) * self._bits).sum(1)
         self.counters = torch.stack([blanks, consec, total, t + 1, last_bos, last_eos], dim=1)
         self.flags = torch.stack([speaking, confirmed, first_turn, user_first_turn, held, exempt, words], dim=1)
         self.density = density

@@ -165,10 +165,10 @@ def test_a_step_off_the_clock_hears_nothing(ckpt_f32):
     session = model.create_streaming_session(options)
     events = session.push_audio(wave[:4 * FRAME], 16000)
     turns = session.frame_step._turns
-    before = {name: getattr(turns, name).clone() for name in turns.STATE}
+    before = turns.saved()  # the tensors that carry a row's policy state from frame to frame
     session.step_off_clock(5, text=PAD)
-    for name in turns.STATE:
-        assert torch.equal(getattr(turns, name), before[name]), name
+    for i, ((now, _, _), then) in enumerate(zip(turns.carried(), before)):
+        assert torch.equal(now, then), i
     events += session.push_audio(wave[4 * FRAME:15 * FRAME], 16000)
     assert session.input_frames == plain.input_frames == 15 and session.frame_index == 20
     transcript = [(e.input_frame, e.delta, e.text) for e in plain_events if e.kind == "user_transcript_delta"]

@@ -292,7 +292,7 @@ def test_forced_call_then_result_injection(model, wave):
     for _ in response:
         drive.frames(1)
         frames = drive.session._frame_step  # the next frame's function input, on the device
-        prev_function.append(int(frames._ids[drive.session._slot, 1]))
+        prev_function.append(int(frames._ids.tensor[drive.session._slot, 1]))
     after = drive.frames(3)
     # exactly the tokenised <TOOL_RESPONSE> text, one token per frame, fed back as the next input
     assert channel(drive.events, "function_delta", inject) == list(zip(inject, response))

@@ -206,10 +206,10 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike, allow_patterns: list[
 class PackedTensors:
     """The stored tensors of one quantized module (raw, as on disk)."""
 
-    weight: torch.Tensor
-    scales: torch.Tensor
-    biases: torch.Tensor | None
-    spec: QuantSpec
+    weight: torch.Tensor  # the packed codes, uint32
+    scales: torch.Tensor  # one per group; uint8 outside the affine mode
+    biases: torch.Tensor | None  # one per group in the affine mode; None: the mode has none
+    spec: QuantSpec  # how the module is packed
 
 
 class Checkpoint:

@@ -21,6 +21,8 @@ from .layers import (
     REDUCED,
     Conv1d,
     FusedOnCpu,
+    RowCache,
+    RowTensor,
     adopt,
     gelu_erf,
     mean_last,
@@ -253,7 +255,7 @@ class StackedCodebooks(ResidualVectorQuantizer):
 
 
 @dataclass
-class CodecCache:
+class CodecCache(RowCache):
     """Streaming state of one decode stream, fixed-size. ``blocks`` are in the model dtype, and each
     step replaces them. ``spectrum`` holds real parts, then imaginary parts: the overlap of the next
     call's iSTFT."""
@@ -264,6 +266,16 @@ class CodecCache:
     @property
     def batch(self) -> int:
         return self.spectrum.shape[0]
+
+    def batched(self) -> list[RowTensor]:
+        return [(self.spectrum, 0, 1)] + [(t, 0, 1) for t in self.blocks]
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        self.spectrum, *blocks = tensors
+        self.blocks[:] = blocks  # the same list: a step's caller may hold it
+
+    carried = batched
+    rebind_carried = rebind
 
     def clear(self) -> None:
         """Back to the start of a stream (zero history), keeping the buffers."""

@@ -1,16 +1,10 @@
 """Cache-aware FastConformer encoder and the perception projection (``stt_model.perception``).
 
-The encoder is NeMo's streaming ``ConformerEncoder`` as this checkpoint uses it: causal
-depthwise-striding subsampling (x8), macaron Conformer blocks with relative-position
-attention limited to ``left`` past frames (no look-ahead) and a causal depthwise convolution.
-
-Offline (:meth:`FastConformer.forward`) runs a whole mel sequence with the ``chunked_limited``
-mask. Streaming (:meth:`FastConformer.forward_step`) takes each stream's 8 mel frames of an 80 ms
-frame (its first: 1) and emits one encoder frame per stream, equal to the offline frame of the same
-index: each layer keeps the keys/values of its last ``left`` frames (a ring buffer, written in
-place) and the GLU outputs of its convolution's last ``kernel`` frames, and the subsampling keeps a
-small window of mel frames.
-"""
+NeMo's streaming ``ConformerEncoder`` as this checkpoint uses it: causal depthwise-striding
+subsampling (x8), macaron blocks with relative-position attention over ``left`` past frames (no
+look-ahead) and a causal depthwise convolution. :meth:`FastConformer.forward` runs a whole mel
+sequence; :meth:`FastConformer.forward_step` emits one encoder frame per stream per 80 ms, equal to
+the offline frame of the same index (docs/api.md, "What each network computes")."""
 
 from __future__ import annotations
 
@@ -29,6 +23,8 @@ from .layers import (
     FusedOnCpu,
     LayerNorm,
     Linear,
+    RowCache,
+    RowTensor,
     add_linear,
     adopt,
     layer_step,
@@ -332,7 +328,7 @@ class CausalSubsampling(nn.Module):
 
 
 @dataclass
-class ConformerCache:
+class ConformerCache(RowCache):
     """Streaming state of :meth:`FastConformer.forward_step`: ``B`` streams, each at its own frame,
     preallocated and written in place.
 
@@ -350,6 +346,20 @@ class ConformerCache:
     # caller gives its rows' in the ConformerRows it passes.
     least: int = 0
     aligned: bool = True
+
+    def batched(self) -> list[RowTensor]:
+        return [(self.kv, 2, 1)] + self.carried()
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        self.kv = tensors[0]
+        self.rebind_carried(tensors[1:])
+
+    def carried(self) -> list[RowTensor]:
+        return [(self.mel, 0, 1)] + [(t, 0, 1) for t in self.conv]
+
+    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+        self.mel, *conv = tensors
+        self.conv[:] = conv  # the same list: a step's caller may hold it
 
 
 @layer_step_input

@@ -22,6 +22,8 @@ from .layers import (
     FusedOnCpu,
     Linear,
     OffsetRMSNorm,
+    RowCache,
+    RowTensor,
     adopt,
     gelu_tanh,
     grown_capacity,
@@ -176,7 +178,7 @@ class FusedQKV(AttentionProjections):
 
 
 @dataclass
-class TTSCache:
+class TTSCache(RowCache):
     """Backbone keys/values of one session, rows (conditional, unconditional), ``[2, kv_heads, capacity, head_dim]``.
 
     A global layer (``window`` None) keeps every position at slot = position. A sliding layer keeps
@@ -241,6 +243,23 @@ class TTSCache:
             grew |= needed > self.keys[layer].shape[2]
             self.reserve_layer(layer, needed)
         return grew
+
+    def batched(self) -> list[RowTensor]:
+        return [(t, 0, 2) for t in self.keys + self.values]  # two rows a conversation: (conditional, unconditional)
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        layers = len(self.keys)
+        self.keys[:], self.values[:] = tensors[:layers], tensors[layers:]
+
+    def copy_rows(self, row: int, prefilled: TTSCache) -> None:
+        """Row ``row`` (its two) from a one-conversation cache's positions (a prefill's); a buffer that is
+        the prefill's own already is left as it is."""
+        for layer, window in enumerate(self.windows):
+            held = prefilled.offset if window is None else min(prefilled.offset, window)
+            self.reserve_layer(layer, held)
+            for mine, theirs in ((self.keys, prefilled.keys), (self.values, prefilled.values)):
+                if mine[layer] is not theirs[layer]:
+                    mine[layer][2 * row:2 * row + 2, :, :held] = theirs[layer][:, :, :held]
 
     def capacities(self) -> tuple[int, int]:
         """The slots a global layer and a sliding layer hold (0 where there is no such layer)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from . import cpu_kernels
 
-__all__ = ["REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
+__all__ = ["RowTensor", "RowCache", "RowValue", "REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
            "ACTIVATIONS", "KV_BLOCK", "grown_capacity", "fused_cpu_paths", "layer_step", "layer_step_input", "window_tail"]
@@ -143,6 +144,90 @@ def window_tail(window: torch.Tensor, state: torch.Tensor, new: torch.Tensor, di
     if torch.compiler.is_compiling() and n < keep:
         return torch.cat((state.narrow(dim, n, keep - n), new), dim)
     return window.narrow(dim, window.shape[dim] - keep, keep)
+
+
+# A cache tensor with its batch axis and the slices each row holds there (the TTS keeps two per row:
+# conditional and unconditional).
+RowTensor = tuple[torch.Tensor, int, int]
+
+
+class RowCache:
+    """The batch operations of a streaming cache whose tensors hold a slice per row (a conversation), as
+    a frame step calls them when rows join, leave and sit a step out. A cache lists its tensors in
+    :meth:`batched` and, of those, the ones a step replaces or updates whole (its recurrent state) in
+    :meth:`carried`; :meth:`rebind` and :meth:`rebind_carried` take new tensors in the same order."""
+
+    def batched(self) -> list[RowTensor]:
+        raise NotImplementedError
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def carried(self) -> list[RowTensor]:
+        return []
+
+    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            raise NotImplementedError
+
+    def resize(self, batch: int) -> None:
+        """``batch`` rows: rows added at the end (zeros), or the last ones dropped (freed)."""
+        out = []
+        for t, axis, per in self.batched():
+            have = t.shape[axis] // per
+            if batch > have:
+                shape = list(t.shape)
+                shape[axis] = (batch - have) * per
+                t = torch.cat([t, t.new_zeros(shape)], dim=axis)
+            elif batch < have:
+                t = t.narrow(axis, 0, batch * per).clone()
+            out.append(t)
+        self.rebind(out)
+
+    def zero_row(self, row: int) -> None:
+        for t, axis, per in self.batched():
+            t.narrow(axis, row * per, per).zero_()
+
+    def saved(self) -> list[torch.Tensor]:
+        """Copies of the carried state, for :meth:`put_back`."""
+        return [t.clone() for t, _, _ in self.carried()]
+
+    def put_back(self, saved: list[torch.Tensor], keep: torch.Tensor) -> None:
+        """The rows not in ``keep`` (``[B]`` bool: the rows that advanced) get their carried state back as
+        ``saved``."""
+        out = []
+        for (t, axis, per), before in zip(self.carried(), saved):
+            rows = keep.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
+            out.append(torch.where(rows, t, before))
+        self.rebind_carried(out)
+
+    def keep_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """The carried state copied into ``buffers`` (what :meth:`carried` gave before the step), which the
+        cache holds again: a compiled step's buffers stay its own, which is what CUDA graphs replay."""
+        out = []
+        for (new, _, _), buffer in zip(self.carried(), buffers):
+            if new is not buffer and new.dtype == buffer.dtype:
+                buffer.copy_(new)
+                new = buffer
+            out.append(new)
+        self.rebind_carried(out)
+
+
+@dataclass
+class RowValue(RowCache):
+    """One tensor a step leaves for the next, a row per conversation along axis 0 (the ids fed back, the
+    last codes, the turn-taking policy's reason codes)."""
+
+    tensor: torch.Tensor
+
+    def batched(self) -> list[RowTensor]:
+        return [(self.tensor, 0, 1)]
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        (self.tensor,) = tensors
+
+    carried = batched
+    rebind_carried = rebind
 
 
 def layer_step_input(cls: type[S]) -> type[S]:

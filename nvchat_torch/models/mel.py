@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import PreprocessorConfig
-from .layers import FusedOnCpu
+from .layers import FusedOnCpu, RowCache, RowTensor
 
 __all__ = ["LogMel", "MelCache", "slaney_mel_filterbank"]
 
@@ -58,13 +58,22 @@ def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, device=None
 
 
 @dataclass
-class MelCache:
+class MelCache(RowCache):
     """Streaming state of :meth:`LogMel.forward_step`: ``B`` streams, each pushing whole 80 ms frames.
     ``samples`` holds enough for the next frame's windows and the preemphasis predecessor; ``frames``
     says where each stream starts inside the buffer, for the reflect padding."""
 
     samples: torch.Tensor  # [B, kept] each row's last raw samples (zeros before its start)
-    frames: torch.Tensor  # [B] long: frames each row has pushed, so where its stream starts
+    frames: torch.Tensor  # [B] long: frames each row has pushed, so where its stream starts (a batched caller's per step)
+
+    def batched(self) -> list[RowTensor]:
+        return [(self.samples, 0, 1)]
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        (self.samples,) = tensors
+
+    carried = batched
+    rebind_carried = rebind
 
 
 class LogMel(nn.Module, FusedOnCpu):

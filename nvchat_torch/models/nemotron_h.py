@@ -24,6 +24,8 @@ from .layers import (
     FusedOnCpu,
     Linear,
     RMSNorm,
+    RowCache,
+    RowTensor,
     add_linear,
     adopt,
     grown_capacity,
@@ -46,6 +48,7 @@ __all__ = [
     "MambaCache",
     "KVCache",
     "LanguageCache",
+    "MambaStates",
     "NemotronHMamba2Mixer",
     "FusedMamba2Mixer",
     "NemotronHAttention",
@@ -182,7 +185,7 @@ class LanguageRows:
 
 
 @dataclass
-class LanguageCache:
+class LanguageCache(RowCache):
     layers: list[MambaCache | KVCache | None]  # one per layer, None for MLP layers
     offset: int = 0  # positions consumed so far
 
@@ -199,6 +202,39 @@ class LanguageCache:
             c.reserve(end)
         return bool(short)
 
+    def batched(self) -> list[RowTensor]:
+        return [(t, 0, 1) for c in self.layers if c is not None
+                for t in ((c.conv_state, c.ssm_state) if isinstance(c, MambaCache) else (c.keys, c.values))]
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        given = iter(tensors)
+        for c in self.layers:
+            if isinstance(c, MambaCache):
+                c.conv_state, c.ssm_state = next(given), next(given)
+            elif isinstance(c, KVCache):
+                c.keys, c.values = next(given), next(given)
+
+    def mixer_states(self, ssm: bool = True) -> MambaStates:
+        """The Mamba layers' recurrent state as one row cache (``ssm``: their SSM state too)."""
+        return MambaStates([c for c in self.layers if isinstance(c, MambaCache)], ssm)
+
+    def copy_row(self, row: int, prefilled: LanguageCache) -> None:
+        """Row ``row`` from a one-conversation cache (a prefill's): the Mamba state, and the keys and values
+        of its positions (room reserved); a buffer that is the prefill's own already is left as it is."""
+        for mine, theirs in zip(self.layers, prefilled.layers):
+            if isinstance(mine, MambaCache) and isinstance(theirs, MambaCache):
+                if mine.conv_state is not theirs.conv_state:
+                    mine.conv_state[row] = theirs.conv_state[0]
+                if mine.ssm_state is not theirs.ssm_state:
+                    mine.ssm_state[row] = theirs.ssm_state[0]
+            elif isinstance(mine, KVCache) and isinstance(theirs, KVCache):
+                n = theirs.offset
+                mine.reserve(n)
+                if mine.keys is not theirs.keys:
+                    mine.keys[row, :, :n] = theirs.keys[0, :, :n]
+                if mine.values is not theirs.values:
+                    mine.values[row, :, :n] = theirs.values[0, :, :n]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every key/value buffer (for marking their capacity dynamic)."""
         return [t for c in self.layers if isinstance(c, KVCache) for t in (c.keys, c.values)]
@@ -213,6 +249,28 @@ class LanguageCache:
             elif isinstance(c, MambaCache):
                 total += c.conv_state.nbytes + c.ssm_state.nbytes
         return total
+
+
+@dataclass
+class MambaStates(RowCache):
+    """The Mamba layers' recurrent state, one row per conversation: what an LLM step advances (``ssm``:
+    the SSM state too; a compiled step leaves it to a time step of 0 instead, see frame_step)."""
+
+    layers: list[MambaCache]
+    ssm: bool = True
+
+    def carried(self) -> list[RowTensor]:
+        return [(t, 0, 1) for c in self.layers for t in ((c.conv_state, c.ssm_state) if self.ssm else (c.conv_state,))]
+
+    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+        given = iter(tensors)
+        for c in self.layers:
+            c.conv_state = next(given)
+            if self.ssm:
+                c.ssm_state = next(given)
+
+    batched = carried
+    rebind = rebind_carried
 
 
 # --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import RnntDecoderConfig, RnntJointConfig
-from .layers import Linear, adopt, layer_step, linear
+from .layers import Linear, RowCache, RowTensor, adopt, layer_step, linear
 
 __all__ = ["RnntDecoder", "FusedRnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
            "is_special_piece", "decode_pieces"]
@@ -150,12 +150,21 @@ class RnntJoint(nn.Module):
 
 
 @dataclass
-class RnntState:
+class RnntState(RowCache):
     """Greedy decoding state: ``hc`` [2 * layers + 1, 1, H] = LSTM h per layer, c per layer, and the
     prediction-network output for the last emitted token (what the joint consumes next); the LSTM
     state is the one after that token (or, at the start, after the zero start input)."""
 
     hc: torch.Tensor  # [2 * layers + 1, 1, H]: LSTM h and c per layer, then the prediction output
+
+    def batched(self) -> list[RowTensor]:
+        return [(self.hc, 1, 1)]  # rows on axis 1, as the LSTM keeps them
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        (self.hc,) = tensors
+
+    carried = batched
+    rebind_carried = rebind
 
 
 class RnntTranscriber(nn.Module):

@@ -1,27 +1,16 @@
-"""The one frame path: an 80 ms frame for every row of a batch, as one pass through log-mel,
-Conformer, RNNT, LLM, TTS and codec.
-
-:class:`FrameStep` holds the streaming caches of its rows (one row per conversation; two in the TTS,
-its conditional and unconditional rows) and where each row stands. A :class:`StreamingSession` drives
-one with one row, :class:`~nvchat_torch.engine.BatchEngine` one with a row per session: the same
-networks' ``forward_step`` on the same caches, so a session alone and a row of the engine compute the
-same thing.
-
-Rows step with their own ring slots, RoPE positions and masks. A row without a frame this step
-computes too and is then put back (its recurrent state restored, its positions not advanced; what it
-wrote to a key/value or ring slot is past its position and is overwritten before it is read). A row
-joins with the caches of its prompt prefill (:meth:`FrameStep.join`), which the
-:class:`~nvchat_torch.session.Timeline` ran at batch 1 exactly as the reference does.
-
-Everything stays on the device: ids and codes feed the next step there, and a step's outputs are
-packed into one tensor that is read once (plus one sync per stage when profiling).
-"""
+"""The one frame path: an 80 ms frame for every row of a batch, as one pass through log-mel, Conformer,
+RNNT, LLM, TTS and codec. :class:`FrameStep` holds its rows' streaming caches (one row per conversation)
+and where each row stands; a :class:`~nvchat_torch.session.StreamingSession` drives one with one row,
+the :class:`~nvchat_torch.engine.BatchEngine` one with a row per session. A row that sits a step out
+computes too and gets its carried state back. Each step is a host prologue (one upload), the device
+step, and one read of the packed output (docs/engine.md, "How it works"; docs/performance.md, "The
+compiled frame step")."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,7 +19,8 @@ from ..diagnostics import return_freed_memory, synchronize
 from ..models.conformer import ConformerRows
 from ..models.gemma import TTSRows
 from ..models.language_heads import fused_input, language_heads
-from ..models.nemotron_h import KVCache, LanguageRows, MambaCache
+from ..models.layers import RowCache, RowValue
+from ..models.nemotron_h import KVCache, LanguageRows
 from ..models.rnnt import RnntState
 from ..turn_taking import TurnTaking, TurnTakingConfig
 from .compiled_step import CompiledStep, batch_bucket
@@ -65,18 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FrameStep", "FrameInput", "RowState"]  # FrameInput: frame_layout's, where the host gives a row's step
 
-# The tensors of a language cache layer, by its kind.
-_STATE_NAMES: dict[type, tuple[str, ...]] = {MambaCache: ("conv_state", "ssm_state"), KVCache: ("keys", "values")}
-
-# A place a tensor lives: (object, attribute name) or (list, index).
-_Ref = tuple[Any, Any]
-
-
-def _get(ref: _Ref) -> torch.Tensor:
-    holder, key = ref
-    return holder[key] if isinstance(key, int) else getattr(holder, key)
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the strides of a fresh tensor of its shape. A prefill leaves the Mamba conv state a view
     of its window, whose strides depend on the prompt's length even where its batch of 1 makes it
@@ -87,14 +65,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _set(ref: _Ref, value: torch.Tensor) -> None:
-    holder, key = ref
-    if isinstance(key, int):
-        holder[key] = value
-    else:
-        setattr(holder, key, value)
 
 
 @dataclass
@@ -158,12 +128,14 @@ class FrameStep:
         self._conformer = perception.new_cache(batch)
         self._rnnt = RnntState(self._start_hc.repeat(1, batch, 1))
         self._language = self._llm.new_cache(batch, dtype=dtype)
-        self._ids = torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
+        # What a step feeds back to the next: the text and function ids [B, 2] the LLM reads, and the
+        # codes [B, 1, Q] the TTS reads.
+        self._ids = RowValue(torch.full((batch, 2), self.config.pad_token_id, dtype=torch.long, device=self.device))
+        self._codes = RowValue(self._silence.repeat(batch, 1, 1))
+        # What an LLM step advances of the Mamba layers. Compiled, not the SSM state: see _device_step.
+        self._mixers = self._language.mixer_states(ssm=self._compiled is None)
         self._tts = self._speech.tts_model.new_cache()
-        for buffers in (self._tts.keys, self._tts.values):
-            for i, t in enumerate(buffers):
-                buffers[i] = t.new_zeros(2 * batch, *t.shape[1:])
-        self._codes = self._silence.repeat(batch, 1, 1)
+        self._tts.rebind([t.new_zeros(2 * batch, *t.shape[1:]) for t, _, _ in self._tts.batched()])
         self._codec_cache = self._codec.new_cache(batch)
         self._turns = None
         if self._compiled is not None:
@@ -173,40 +145,10 @@ class FrameStep:
         """The key/value buffers whose capacity (dim 2) grows by blocks: dynamic to the compiler."""
         return self._language.tensors() + self._tts.keys + self._tts.values
 
-    def _heard(self) -> list[tuple[_Ref, int, int]]:
-        """What a row's audio advances (log-mel, Conformer, RNNT; a step off the clock leaves it as it was):
-        (where, batch axis, rows per slot)."""
-        refs: list[tuple[_Ref, int, int]] = [((self._mel, "samples"), 0, 1), ((self._conformer, "mel"), 0, 1),
-                                            ((self._rnnt, "hc"), 1, 1)]
-        return refs + [((self._conformer.conv, i), 0, 1) for i in range(len(self._conformer.conv))]
-
-    def _thought(self, ssm: bool = True) -> list[tuple[_Ref, int, int]]:
-        """What an LLM step advances: the fed-back ids and the Mamba layers' state (``ssm``: their SSM state
-        too)."""
-        refs: list[tuple[_Ref, int, int]] = [((self, "_ids"), 0, 1)]
-        for c in self._language.layers:
-            if isinstance(c, MambaCache):
-                refs += [((c, "conv_state"), 0, 1)] + ([((c, "ssm_state"), 0, 1)] if ssm else [])
-        return refs
-
-    def _decoded(self) -> list[tuple[_Ref, int, int]]:
-        """What a codec step advances."""
-        refs: list[tuple[_Ref, int, int]] = [((self._codec_cache, "spectrum"), 0, 1)]
-        return refs + [((self._codec_cache.blocks, i), 0, 1) for i in range(len(self._codec_cache.blocks))]
-
-    def _recurrent(self) -> list[tuple[_Ref, int, int]]:
-        """The state a row carries from step to step (the TTS's codes between what the LLM and codec advance)."""
-        return self._heard() + self._thought() + [((self, "_codes"), 0, 1)] + self._decoded()
-
-    def _buffers(self) -> list[tuple[_Ref, int, int]]:
-        """Every batched cache tensor: the recurrent state, rings and key/value buffers."""
-        refs = self._recurrent() + [((self._conformer, "kv"), 2, 1)]
-        for c in self._language.layers:
-            if isinstance(c, KVCache):
-                refs += [((c, "keys"), 0, 1), ((c, "values"), 0, 1)]
-        for buffers in (self._tts.keys, self._tts.values):
-            refs += [((buffers, i), 0, 2) for i in range(len(buffers))]
-        return refs
+    def _caches(self) -> list[RowCache]:
+        """Every cache with a slice per row (the turn-taking policy resizes itself)."""
+        return [self._mel, self._conformer, self._rnnt, self._ids, self._language, self._codes, self._tts,
+                self._codec_cache]
 
     def _resize(self, rows: int) -> None:
         """Room for ``rows`` slots (compiled: the next power of two): rows added at the end (zeros), or the
@@ -214,25 +156,15 @@ class FrameStep:
         batch = rows if self.compiler is None else batch_bucket(rows)
         if self._compiled is not None:
             self._compiled.buffers_changed()
-        for ref, axis, per in self._buffers():
-            t = _get(ref)
-            have = t.shape[axis] // per
-            if batch == have:
-                continue
-            if batch > have:
-                shape = list(t.shape)
-                shape[axis] = (batch - have) * per
-                t = torch.cat([t, t.new_zeros(shape)], dim=axis)
-            else:
-                t = t.narrow(axis, 0, batch * per).clone()
-            _set(ref, t)
+        for cache in self._caches():
+            cache.resize(batch)
         if self._turns is not None:
             self._turns.resize(batch)
 
     @property
     def batch(self) -> int:
         """Rows in the caches (free slots below the last used one included)."""
-        return self._ids.shape[0]
+        return self._ids.tensor.shape[0]
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes the two caches that grow with a session hold (LLM, TTS), all rows."""
@@ -268,15 +200,11 @@ class FrameStep:
         others are copied by :meth:`_adopt`. At full size this saves the peak of two copies (~0.3 GB)."""
         language = timeline.language_cache
         if language is not None:
-            for mine, theirs in zip(self._language.layers, language.layers):
-                for name in _STATE_NAMES.get(type(mine), ()):
-                    if getattr(theirs, name).dtype == getattr(mine, name).dtype:
-                        setattr(mine, name, _dense(getattr(theirs, name)))
+            self._language.rebind([_dense(theirs) if theirs.dtype == mine.dtype else mine
+                                   for (mine, _, _), (theirs, _, _) in zip(self._language.batched(), language.batched())])
         tts = timeline.tts_cache
-        for buffers, theirs in ((self._tts.keys, tts.keys), (self._tts.values, tts.values)):
-            for layer, t in enumerate(theirs):
-                if t.dtype == buffers[layer].dtype:
-                    buffers[layer] = t
+        self._tts.rebind([theirs if theirs.dtype == mine.dtype else mine
+                          for (mine, _, _), (theirs, _, _) in zip(self._tts.batched(), tts.batched())])
 
     def set_turn_taking(self, slot: int, config: TurnTakingConfig | None) -> None:
         """``slot``'s turn-taking policy from its next frame: switched on it starts fresh, new values keep
@@ -298,41 +226,25 @@ class FrameStep:
         ``clear``: zero the slot first (a reused or added row beside others; a first row is fresh)."""
         language, tts = timeline.language_cache, timeline.tts_cache  # None: the cache-free diagnostic's LLM
         if clear:
-            for ref, axis, per in self._buffers():
-                _get(ref).narrow(axis, r * per, per).zero_()
+            for cache in self._caches():
+                cache.zero_row(r)
         self._rnnt.hc[:, r] = rnnt_state.hc[:, 0]
-        self._ids[r] = self.config.pad_token_id
-        self._codes[r] = timeline.previous_code[0]
+        self._ids.tensor[r] = self.config.pad_token_id
+        self._codes.tensor[r] = timeline.previous_code[0]
         row = RowState(timeline_index=timeline.index)
         if language is None:  # the cache-free diagnostic: the LLM inputs so far
             self._history = timeline.history
             timeline.history = []
         else:
             row.llm_position = language.offset
+            self._language.copy_row(r, language)
             for mine, theirs in zip(self._language.layers, language.layers):
-                if isinstance(mine, MambaCache):
-                    if mine.conv_state is not theirs.conv_state:
-                        mine.conv_state[r] = theirs.conv_state[0]
-                    if mine.ssm_state is not theirs.ssm_state:
-                        mine.ssm_state[r] = theirs.ssm_state[0]
-                elif isinstance(mine, KVCache):
-                    n = theirs.offset
-                    mine.reserve(n)
-                    if mine.keys is not theirs.keys:
-                        mine.keys[r, :, :n] = theirs.keys[0, :, :n]
-                    if mine.values is not theirs.values:
-                        mine.values[r, :, :n] = theirs.values[0, :, :n]
-                    if n and theirs.keys.dtype == torch.bfloat16 and mine.keys.dtype != torch.bfloat16:
-                        row.round_keys_until = theirs.blocks  # the reference stores bf16 until its next block
-                        self._rounds_keys = True
+                if isinstance(mine, KVCache) and isinstance(theirs, KVCache) and theirs.offset and \
+                        theirs.keys.dtype == torch.bfloat16 and mine.keys.dtype != torch.bfloat16:
+                    row.round_keys_until = theirs.blocks  # the reference stores bf16 until its next block
+                    self._rounds_keys = True
         row.tts_position = tts.offset
-        for layer in range(len(tts.keys)):
-            window = tts.windows[layer]
-            held = tts.offset if window is None else min(tts.offset, window)
-            self._tts.reserve_layer(layer, held)
-            for mine, theirs in ((self._tts.keys, tts.keys), (self._tts.values, tts.values)):
-                if mine[layer] is not theirs[layer]:
-                    mine[layer][2 * r:2 * r + 2, :, :held] = theirs[layer][:, :, :held]
+        self._tts.copy_rows(r, tts)
         timeline.language_cache = timeline.tts_cache = None  # the row holds them now
         return row
 
@@ -379,14 +291,11 @@ class FrameStep:
             row.timeline_index += given.thinks
         return values, stamps
 
-    def _prologue(self, inputs: dict[int, FrameInput], marks: bool) -> StepTensors:
-        """The host's part before the step: what it knows of the rows as one table, uploaded in one copy,
-        the frame's samples, the TTS's random numbers (drawn from the rows' generators), the caches'
-        room for the step (grown in whole blocks, here and never inside the step), and the flags that
-        pick the step's graph (under the compiler, a few fixed ones: see :class:`~nvchat_torch.runtime.frame_layout.StepFlags`)."""
-        cfg, device, batch, static = self.config, self.device, self.batch, self._compiled is not None
-        frames = np.zeros((batch, cfg.input_frame_samples), dtype=np.float32)
-        # What the host knows of each row, one column per row (the fields: TABLE).
+    def _host_table(self, inputs: dict[int, FrameInput]) -> tuple[np.ndarray, np.ndarray, list[torch.Generator | None]]:
+        """What the host knows of each row, one column per row (the fields: :data:`TABLE`); the frames'
+        samples ``[B, 1280]``; and each row's generator where its TTS draws this step."""
+        batch = self.batch
+        frames = np.zeros((batch, self.config.input_frame_samples), dtype=np.float32)
         ints = np.zeros((len(TABLE), batch), dtype=np.int64)
         ints[SPOKEN] = -1
         generators: list[torch.Generator | None] = [None] * batch
@@ -411,6 +320,15 @@ class FrameStep:
             if tts_runs:
                 generators[r] = given.generator
             ints[DRAWS, r] = generators[r] is not None
+        return frames, ints, generators
+
+    def _prologue(self, inputs: dict[int, FrameInput], marks: bool) -> StepTensors:
+        """The host's part before the step: what it knows of the rows as one table, uploaded in one copy,
+        the frame's samples, the TTS's random numbers (drawn from the rows' generators), the caches'
+        room for the step (grown in whole blocks, here and never inside the step), and the flags that
+        pick the step's graph (under the compiler, a few fixed ones: see :class:`~nvchat_torch.runtime.frame_layout.StepFlags`)."""
+        device, batch, static = self.device, self.batch, self._compiled is not None
+        frames, ints, generators = self._host_table(inputs)
         # The TTS's modes: all rows deterministic, or sampling (with deterministic rows among them: a mix).
         # One session's generator is passed as itself: the same draws as a list of one.
         samplers = [g for g in generators if g is not None]
@@ -484,13 +402,14 @@ class FrameStep:
         # saved: those rows step with a time step of 0, which leaves it as it was (torch 2.13's inductor
         # miscompiled a copy of it kept aside while the layer's region updated it in place; likely
         # pytorch#198131, open: go back to the copy when it is fixed and the compiled parity test passes).
-        heard = self._heard() + ([] if turns is None else [((turns, name), 0, 1) for name in turns.STATE])
-        parts = {HEARS: heard, THINKS: self._thought(ssm=not flags.in_place), DECODES: self._decoded(),
-                 RUNS: [((self, "_codes"), 0, 1)] + ([] if turns is None else [((turns, "reason"), 0, 1)])}
+        parts: dict[int, list[RowCache]] = {
+            HEARS: [self._mel, self._conformer, self._rnnt] + ([] if turns is None else [turns]),
+            THINKS: [self._ids, self._mixers], DECODES: [self._codec_cache],
+            RUNS: [self._codes] + ([] if turns is None else [turns.reasons])}
         partial = {RUNS: flags.restore, HEARS: flags.restore or flags.off_clock,
                    THINKS: flags.restore or flags.pausing, DECODES: flags.restore or flags.pausing}
-        buffers = {field: [_get(ref) for ref, _, _ in refs] for field, refs in parts.items()}
-        saved = {field: [t.clone() for t in buffers[field]] if partial[field] else None for field in parts}
+        buffers = {part: [[t for t, _, _ in cache.carried()] for cache in caches] for part, caches in parts.items()}
+        saved = {part: [cache.saved() for cache in caches] if partial[part] else None for part, caches in parts.items()}
         encoder = self._perception.encoder
         conformer_rows = ConformerRows(own(step.row_numbers[:batch]), own(step.conformer_slot), own(step.conformer_columns),
                                        encoder.ring_mask(frame_index, step.ring_least, step.ring_aligned),
@@ -508,7 +427,8 @@ class FrameStep:
         if hears is not None:  # a row off the clock transcribes nothing
             transcript_ids = torch.where(hears, transcript_ids, -1)
         mark()
-        fused = fused_input(self._embed, self._ids[:, :1], projected, self._ids[:, 1:], cfg.function_channel_weight)
+        fed_back = self._ids.tensor
+        fused = fused_input(self._embed, fed_back[:, :1], projected, fed_back[:, 1:], cfg.function_channel_weight)
         round_keys = table[ROUNDS_KEYS].bool() if flags.round_keys else None
         steps = table[THINKS].bool() if flags.in_place and partial[THINKS] else None
         rows = LanguageRows.make(own(llm_pos), self._language.capacity, round_keys, own(step.row_numbers[:batch]), steps)
@@ -518,7 +438,7 @@ class FrameStep:
             ids = torch.where(table[FORCES].t().bool(), table[FORCED_IDS].t(), ids)
         if turns is not None:
             ids = turns.take_turns(ids, user_blank, step.hold)
-        self._ids = ids
+        self._ids.tensor = ids
         self._put_back(parts[HEARS], saved[HEARS], table[HEARS])
         self._put_back(parts[THINKS], saved[THINKS], table[THINKS])
         mark()
@@ -530,25 +450,22 @@ class FrameStep:
         spoken = ids[:, 0]
         if flags.speaking:  # the TTS speaks a row's own id (an acknowledgement) instead of its text id
             spoken = torch.where(table[SPOKEN] >= 0, table[SPOKEN], spoken)
-        codes = self._speech.step(self._codes, spoken, self._tts, step.draws, deterministic, tts_rows)
+        codes = self._speech.step(self._codes.tensor, spoken, self._tts, step.draws, deterministic, tts_rows)
         if not flags.all_tts:  # a row at timeline position 0 runs no TTS: silence, its codes kept
             tts_runs = table[RUNS_TTS, :, None, None].bool()
             codes = torch.where(tts_runs, codes, self._silence)
-            self._codes = torch.where(tts_runs, codes, self._codes)
+            self._codes.tensor = torch.where(tts_runs, codes, self._codes.tensor)
         else:
-            self._codes = codes
+            self._codes.tensor = codes
         mark()
         clean = self._speech.replace_control_codes(codes)
         samples = self._codec.decode_step(clean.transpose(1, 2), self._codec_cache)
         self._put_back(parts[DECODES], saved[DECODES], table[DECODES])
         self._put_back(parts[RUNS], saved[RUNS], table[RUNS])
         if flags.in_place:  # compiled: the step's buffers stay its own (what CUDA graphs replay)
-            for field, refs in parts.items():
-                for (ref, _, _), buffer in zip(refs, buffers[field]):
-                    new = _get(ref)
-                    if new is not buffer and new.dtype == buffer.dtype:
-                        buffer.copy_(new)
-                        _set(ref, buffer)
+            for part, caches in parts.items():
+                for cache, held in zip(caches, buffers[part]):
+                    cache.keep_buffers(held)
         # One packed tensor for the whole batch: cat promotes the ids to the samples' float32 (a no-op
         # .float() unless the fast mode's codec gave bf16), where ids < 2**24 are exact.
         values = [transcript_ids.t(), ids, clean.view(batch, -1), samples.view(batch, -1).float()]
@@ -557,15 +474,14 @@ class FrameStep:
         return torch.cat(values, dim=1)
 
     @staticmethod
-    def _put_back(refs: list[tuple[_Ref, int, int]], saved: list[torch.Tensor] | None, advanced: torch.Tensor) -> None:
-        """The rows whose ``advanced`` is 0 get the state of ``refs`` back as ``saved`` before the step (None:
-        every row advanced it)."""
+    def _put_back(caches: list[RowCache], saved: list[list[torch.Tensor]] | None, advanced: torch.Tensor) -> None:
+        """The rows whose ``advanced`` is 0 get the caches' carried state back as ``saved`` before the step
+        (None: every row advanced it)."""
         if saved is None:
             return
         keep = advanced.bool()
-        for (ref, axis, per), before in zip(refs, saved):
-            rows = keep.repeat_interleave(per).view([-1 if a == axis else 1 for a in range(before.dim())])
-            _set(ref, torch.where(rows, _get(ref), before))
+        for cache, before in zip(caches, saved):
+            cache.put_back(before, keep)
 
     def _perceive(self, frames: torch.Tensor, frame_index: torch.Tensor,
                   rows: ConformerRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,14 +27,14 @@ class Response:
     """A GA response while it is sent: one assistant ``message`` item with an audio part, and the function
     calls it carries."""
 
-    kind: ResponseKind = "turn"
-    metadata: dict | None = None
+    kind: ResponseKind = "turn"  # what opened it, which says what ends it (ResponseKind)
+    metadata: dict | None = None  # a response.create's metadata, echoed in the response
     # A response.create's: announced at once, and nothing of the model's frames is sent before its BOS
     # frame (a phrase spoken during a tool call is: it is speech the client hears either way).
     waiting: bool = False
-    id: str = field(default_factory=lambda: new_id("resp"))
-    item_id: str = field(default_factory=lambda: new_id("item"))
-    transcript: str = ""
+    id: str = field(default_factory=lambda: new_id("resp"))  # the response's protocol id
+    item_id: str = field(default_factory=lambda: new_id("item"))  # its assistant message item's id
+    transcript: str = ""  # the transcript deltas sent so far, joined
     spoke: bool = False  # a transcript delta was sent: the agent speaks (the user's item is complete)
     calls: list[dict] = field(default_factory=list)  # its function_call items, completed
     audio_ms: float = 0.0  # the audio sent so far, at the output rate
@@ -58,11 +58,10 @@ class TurnState:
 
 @dataclass
 class SpokenPhrase:
-    """The phrase the TTS is speaking during a tool call (a ``hold_speech`` event): its steps still to come,
-    80 ms of audio each, and whether the client cancelled the response that carried it."""
+    """The phrase the TTS is speaking during a tool call, from a ``hold_speech`` event."""
 
-    steps_left: int = 0
-    muted: bool = False
+    steps_left: int = 0  # its steps still to come, 80 ms of audio each
+    muted: bool = False  # the client cancelled the response that carried it: its audio is not sent
 
 
 @dataclass(frozen=True)
@@ -70,5 +69,5 @@ class ToolResultRequest:
     """The tag a ``function_call_output``'s ``send_tool_result`` is queued with: what its refusal names."""
 
     event_id: str | None  # the client event that sent it
-    call_id: str
-    item_id: str
+    call_id: str  # the call the result answers
+    item_id: str  # the function_call_output item

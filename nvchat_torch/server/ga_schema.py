@@ -2,8 +2,9 @@
 
 Written from the ``openai`` SDK's request types (``openai.types.realtime``:
 ``RealtimeSessionCreateRequestParam`` and the audio input/output, transcription, noise-reduction and
-turn-detection params; the MCP conversation items' ``RealtimeMcp*Param``). :func:`check` raises :class:`ValueError` subclasses naming the path: an
-unknown key (:class:`UnknownKey`) or a value of the wrong kind. Numbers exclude booleans, as JSON does.
+turn-detection params; the MCP conversation items' ``RealtimeMcp*Param``). :func:`check` raises
+:class:`ValueError` subclasses naming the path: an unknown key (:class:`UnknownKey`) or a value of the
+wrong kind. Numbers exclude booleans, as JSON does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def show(value: Any, limit: int = 60) -> str:
 
 
 class Schema:
-    nullable: bool = False
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value: Any, path: str) -> None:
         raise NotImplementedError
@@ -40,8 +41,8 @@ class Schema:
 
 @dataclass
 class Str(Schema):
-    enum: tuple[str, ...] | None = None
-    nullable: bool = False
+    enum: tuple[str, ...] | None = None  # the strings allowed; None: any string
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         if not isinstance(value, str) or (self.enum is not None and value not in self.enum):
@@ -50,10 +51,10 @@ class Str(Schema):
 
 @dataclass
 class Num(Schema):
-    lo: float = -math.inf
-    hi: float = math.inf
-    integer: bool = False
-    nullable: bool = False
+    lo: float = -math.inf  # the smallest value allowed
+    hi: float = math.inf  # the largest value allowed
+    integer: bool = False  # ints only
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         kinds = (int,) if self.integer else (int, float)
@@ -76,7 +77,7 @@ class Bool(Schema):
 @dataclass
 class AnyJSON(Schema):
     """Any object (free-form: metadata, prompt variables)."""
-    nullable: bool = False
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         if not isinstance(value, dict):
@@ -86,7 +87,7 @@ class AnyJSON(Schema):
 @dataclass
 class Const(Schema):
     """Exactly this JSON value (``["audio"]``, ``false``)."""
-    value: Any
+    value: Any  # the one value allowed, its type included
 
     def validate(self, value, path):
         if value != self.value or type(value) is not type(self.value):
@@ -95,8 +96,8 @@ class Const(Schema):
 
 @dataclass
 class ListOf(Schema):
-    item: Schema
-    nullable: bool = False
+    item: Schema  # every item's schema
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         if not isinstance(value, list):
@@ -107,9 +108,9 @@ class ListOf(Schema):
 
 @dataclass
 class Obj(Schema):
-    fields: dict[str, Schema]
-    required: tuple[str, ...] = ()
-    nullable: bool = False
+    fields: dict[str, Schema]  # the keys allowed, each with its value's schema
+    required: tuple[str, ...] = ()  # the keys that must be there
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         if not isinstance(value, dict):
@@ -127,8 +128,8 @@ class Obj(Schema):
 @dataclass
 class OneOf(Schema):
     """A string constant or one of several objects, told apart by the first that fits."""
-    options: list[Schema] = field(default_factory=list)
-    nullable: bool = False
+    options: list[Schema] = field(default_factory=list)  # the forms, tried in order
+    nullable: bool = False  # null is allowed too
 
     def validate(self, value, path):
         errors = []

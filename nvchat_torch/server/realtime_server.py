@@ -42,7 +42,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class RealtimeServer:
-    """What all connections share: the model, its scheduler, the session slots and the API key."""
+    """One per server, held by every connection. Its limits default to the module's constants."""
 
     def __init__(self, model, *, model_name: str, max_sessions: int = 4, api_key: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, clock: float | None = None,

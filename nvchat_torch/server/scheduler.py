@@ -32,23 +32,20 @@ OutputKind = Literal["opened", "events", "mark", "limit", "rejected", "refused",
 
 @dataclass
 class Output:
-    """What the worker hands back to a connection, in the order the jobs ran.
+    """What the worker hands back to a connection, in the order the jobs ran."""
 
-    kind: "opened" | "events" (one step's or a flush's events; ``ids`` the step's raw text and
-    function ids when its LLM stepped and its audio came out, else None: a step of the TTS alone while
-    a tool runs, one whose speech is not kept; ``compute_s`` the wall time of the step that ran it) |
-    "mark" (``tag`` as queued) | "limit" (max_streaming_seconds was reached: the frames before it ran,
-    the rest was dropped) | "rejected" (a queued call raised ``ValueError``; the session goes on; ``tag``
-    as queued) | "refused" (the engine would not open the session: ``error``, ``tag``) | "error"
-    (``error``: the exception; the session is over).
-    """
-
+    # "opened": the session's prompt is prefilled; "events": one step's or a flush's events; "mark": every
+    # job queued before the mark has run; "limit": max_streaming_seconds was reached, the frames before it
+    # ran and the rest was dropped; "rejected": a queued call raised ``ValueError`` and the session goes on;
+    # "refused": the engine would not open the session; "error": the session is over.
     kind: OutputKind
-    events: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # "events": the events
+    # "events": the step's raw text and function ids when its LLM stepped and its audio came out. None: a
+    # step of the TTS alone while a tool runs, or one whose speech is not kept.
     ids: tuple[int, int] | None = None
-    compute_s: float = 0.0
-    tag: Any = None
-    error: BaseException | None = None
+    compute_s: float = 0.0  # "events": the wall time of the step that ran it
+    tag: Any = None  # "mark", "rejected", "refused": the tag as queued
+    error: BaseException | None = None  # "limit", "rejected", "refused", "error": the exception
 
 
 class _Slot:

@@ -65,17 +65,19 @@ class ClientError(Exception):
 
 @dataclasses.dataclass
 class SessionConfig:
-    instructions: str | None = None
-    input_rate: int = 24000
-    output_rate: int = 24000
+    """A connection's session settings, as its ``session.update`` messages left them."""
+
+    instructions: str | None = None  # the system prompt; None: the model's default
+    input_rate: int = 24000  # Hz of the client's audio, one of INPUT_RATES or G711_RATE
+    output_rate: int = 24000  # Hz of the audio sent, one of OUTPUT_RATES or G711_RATE
     input_format: str = "audio/pcm"  # one of AUDIO_FORMATS
-    output_format: str = "audio/pcm"
-    deterministic: bool = False
-    seed: int = 0
-    max_streaming_seconds: float | None = None
-    stats: bool = False
-    tools: list = dataclasses.field(default_factory=list)
-    tool_choice: Any = "auto"
+    output_format: str = "audio/pcm"  # one of AUDIO_FORMATS
+    deterministic: bool = False  # StreamingOptions.deterministic
+    seed: int = 0  # StreamingOptions.seed
+    max_streaming_seconds: float | None = None  # StreamingOptions.max_streaming_seconds
+    stats: bool = False  # send an nvchat.stats event every fifth frame
+    tools: list = dataclasses.field(default_factory=list)  # the GA function tools offered to the model
+    tool_choice: Any = "auto"  # always "auto": the model decides when it calls a tool
     accepted: dict = dataclasses.field(default_factory=dict)  # GA keys taken as given (not acted on)
     turn_taking: Any = None  # a TurnTakingConfig (NVIDIA's policy) or None (the raw model)
     base_turn_taking: Any = None  # the server's policy, which the client's GA turn_detection adjusts

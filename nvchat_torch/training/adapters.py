@@ -1,18 +1,9 @@
 """LoRA adapters on the LLM's and the TTS backbone's projections, the packed 4-bit base included.
 
-``y = base(x) + (alpha / r) * B(A(dropout(x)))`` with ``A`` Kaiming-uniform and ``B`` zero, as peft's
-LoRA initialises them, so a fresh adapter changes no output; the initialisation and the dropout masks draw
-from the generator given to :func:`add_lora`. The base stays frozen and, where it is
-packed, packed: a packed base's input gradient is ``grad_y @ W`` with ``W`` dequantized inside the
-backward and dropped after (QLoRA's recipe), never held between calls.
-
-Why not peft's own layers: peft wraps ``nn.Linear`` (which the port's dense ``Linear`` is) but not the
-packed modules, and its 4-bit path is bitsandbytes'. So the layer is written here with peft's names and
-initialisation, and :func:`save_adapter` writes peft's files (``adapter_config.json``,
-``adapter_model.safetensors`` with keys ``base_model.model.<module>.lora_A.weight``): peft loads them onto
-a dense model (``tests/test_training.py`` checks it gives the same outputs). :func:`save_merged` writes a
-card that :func:`~nvchat_torch.load_model` reads.
-"""
+``y = base(x) + (alpha / r) * B(A(dropout(x)))``, ``A`` Kaiming-uniform and ``B`` zero as peft initialises
+them; a packed base stays packed and its backward dequantizes the weight and drops it (QLoRA's
+recipe). The layer is our own, with peft's names, because peft does not wrap the packed modules;
+:func:`save_adapter` writes peft's files. docs/training.md, "Adapters (LoRA, QLoRA)", has the design."""
 
 from __future__ import annotations
 

@@ -2,16 +2,10 @@
 
     python -m nvchat_torch.finetune --data manifest.jsonl --out runs/first [--model weights/...-4bit]
 
-Without ``--model`` it trains the tiny embedded model (random weights): the whole loop runs in seconds.
-Each step takes one conversation of the manifest (shuffled by ``--seed``) through NVIDIA's two objectives,
-teacher-forced (:mod:`nvchat_torch.training.objectives`): the STT loss (text and function channels) and, where the
-conversation has agent audio, the TTS loss (the MoG head's ``c_loss + k_loss``). By default LoRA adapters
-on the LLM and the TTS backbone train (the packed 4-bit base stays packed); ``--full`` trains the weights
-themselves, freezing as NVIDIA's recipe does (the codec and the RNNT always).
-
-Writes ``DIR/adapter`` (peft's files) or, with ``--full`` or ``--merge``, ``DIR/model`` (a card that
-``nvchat_torch.load_model`` reads), ``DIR/loss_log.jsonl`` (one line per step) and ``DIR/train_config.json``.
-"""
+Without ``--model`` it trains the tiny embedded model in seconds. Each step takes a conversation through
+NVIDIA's two objectives, teacher-forced; by default LoRA adapters train (a packed base stays packed),
+``--full`` trains the weights with NVIDIA's freezing. Writes ``DIR/adapter`` (peft's files) or, with
+``--full`` or ``--merge``, ``DIR/model``, and ``DIR/loss_log.jsonl`` and ``DIR/train_config.json``."""
 
 from __future__ import annotations
 

@@ -30,33 +30,31 @@ FUNCTION_MARKERS = (CALL_START, CALL_END, RESPONSE_END)
 @dataclass
 class AgentTurn:
     start: float  # seconds from the start of the conversation
-    end: float
-    text: str
+    end: float  # seconds, likewise
+    text: str  # what the agent says
 
 
 @dataclass
 class ToolCall:
-    """A call the agent makes at ``time`` (the text between the call markers, e.g. its JSON), and the
-    tool's ``result``, fed in at ``result_time`` (default: right after the call)."""
+    """A call the agent makes, and the tool's result."""
 
-    time: float
-    call: str
-    result: str = ""
-    result_time: float | None = None
+    time: float  # when the agent makes it, seconds from the start of the conversation
+    call: str  # the text between the call markers, e.g. its JSON
+    result: str = ""  # the tool's result
+    result_time: float | None = None  # when the result is fed in, seconds; None: right after the call
 
 
 @dataclass
 class Conversation:
-    """One training example: 16 kHz mono user audio, the agent's turns (times and text), optional agent
-    audio at 22,050 Hz (needed for the TTS objective), the system prompt and tool calls."""
+    """One training example."""
 
-    user_audio: np.ndarray
-    turns: list[AgentTurn]
-    agent_audio: np.ndarray | None = None
-    system_prompt: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    tools: list[dict] | None = None
-    id: str = ""
+    user_audio: np.ndarray  # 16 kHz mono
+    turns: list[AgentTurn]  # the agent's turns, times and text
+    agent_audio: np.ndarray | None = None  # 22,050 Hz; needed for the TTS objective only
+    system_prompt: str | None = None  # the prompt the conversation starts from
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the agent's calls, in order
+    tools: list[dict] | None = None  # the function tools offered in the prompt
+    id: str = ""  # names it in errors: the manifest's ``id``, else its line number
 
     @property
     def duration(self) -> float:
@@ -201,12 +199,11 @@ def shift_channel(tokens: Sequence[int], *, pad: int, eos: int, bos: int, advanc
 
 @dataclass
 class FunctionChannel:
-    """The function channel after NeMo's insertions: ``ids`` and ``loss_mask`` per frame of the expanded
-    timeline, and ``insertions``: (frame of the original timeline, frames inserted there), in order."""
+    """The function channel after NeMo's insertions."""
 
-    ids: list[int]
-    loss_mask: list[bool]
-    insertions: list[tuple[int, int]]
+    ids: list[int]  # per frame of the expanded timeline
+    loss_mask: list[bool]  # per frame of the expanded timeline: whether its id is trained on
+    insertions: list[tuple[int, int]]  # (frame of the original timeline, frames inserted there), in order
 
 
 def function_channel(calls: Sequence[tuple[int, Sequence[int], int, Sequence[int]]], frames: int, *, pad: int,
@@ -257,19 +254,18 @@ def insert_frames(channel: Sequence[Any], insertions: Sequence[tuple[int, int]],
 class Example:
     """One conversation's tensors for :func:`~nvchat_torch.training.stt_forward` and ``tts_forward``.
 
-    STT (frames of the timeline after tool-call insertions): ``audio`` 16 kHz samples, per frame the
-    labels ``text``, ``function`` and ``function_mask`` (NeMo's target channels from their frame 1: frame
-    ``t``'s label is the channel's frame ``t + 1``, label_prep.py 316-317). TTS (the original timeline,
-    or None without agent audio): ``tts_text`` each step's text id and ``codes`` ``[S, Q]`` its codes."""
+    The STT fields count frames of the timeline after tool-call insertions. Their labels are NeMo's target
+    channels from frame 1: frame ``t``'s label is the channel's frame ``t + 1`` (label_prep.py 316-317).
+    The TTS fields count frames of the original timeline and are None without agent audio."""
 
-    audio: np.ndarray
-    text: list[int]
-    function: list[int]
-    function_mask: list[bool]
-    system_prompt: str | None
-    tools: list[dict] | None
-    tts_text: list[int] | None = None
-    codes: Any = None
+    audio: np.ndarray  # STT: 16 kHz samples
+    text: list[int]  # STT: per frame, the text label
+    function: list[int]  # STT: per frame, the function label
+    function_mask: list[bool]  # STT: per frame, whether the function label is trained on
+    system_prompt: str | None  # the conversation's
+    tools: list[dict] | None  # the conversation's
+    tts_text: list[int] | None = None  # TTS: each step's text id
+    codes: Any = None  # TTS: ``[S, Q]``, each step's codes
 
 
 def build_example(model: Any, conversation: Conversation, *, advance: int = 0, delay: int = 0,

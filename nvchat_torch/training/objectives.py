@@ -1,22 +1,9 @@
 """Teacher-forced training of the two halves NVIDIA trained apart (NeMo branch ``nemotron-labs-voicechat``,
-``nemo/collections/speechlm2``): speech-to-text (perception + the Nemotron-H LLM, ``models/duplex_stt_model.py``)
-and EAR-TTS (``models/duplex_ear_tts.py``, ``modules/ear_tts_model.py``).
-
-Each forward is one pass over a whole conversation through the networks' full-sequence ``forward``s, the
-same computation a streaming session runs frame by frame (``tests/test_training.py`` checks that a
-deterministic session's ids and codes are these forwards' argmax at every frame):
-
-* :func:`stt_forward`: the per-frame logits of the text and function channels. Frame ``t``'s input is the
-  user audio's encoder frame ``t`` plus the ids of frame ``t - 1`` (PAD before the first), as the
-  session feeds back its own outputs; the system prompt rides on the user channel first.
-* :func:`tts_forward`: the MoG head's outputs per TTS step after the speaker warmup; step ``s`` sees the
-  codes of step ``s - 1`` (silence after an EOS) and the text id of its frame.
-* :func:`teacher_forced_codes`: the inference pass over the same inputs, and the codes a deterministic
-  session picks.
-
-:func:`stt_loss` and :func:`tts_loss` are NeMo's losses; every random draw (quantizer masking and dropout,
-classifier-free-guidance dropout) comes from the ``generator`` passed in.
-"""
+``nemo/collections/speechlm2``): speech-to-text and EAR-TTS, each in one pass over a whole conversation
+through the networks' ``forward``s. :func:`stt_forward` and :func:`tts_forward` give the logits and the
+MoG head's outputs, :func:`teacher_forced_codes` the inference pass and a deterministic session's codes,
+:func:`stt_loss` and :func:`tts_loss` NeMo's losses; every random draw comes from the ``generator``
+passed in. docs/training.md, "The objectives", has the design and the NeMo lines."""
 
 from __future__ import annotations
 
@@ -127,13 +114,13 @@ def stt_forward(model: VoiceChatNetworks, audio_16k: torch.Tensor, text_ids: tor
 @dataclass
 class STTLossConfig:
     """NeMo's STT loss options (duplex_stt_model.py 2232-2264, 2432-2459, 2593-2602). NVIDIA's values for the
-    release are not published: the defaults are the code's (``text_loss_weight`` 3 from s2s_duplex_stt.yaml:16),
-    and ``token_weights`` / ``function_token_weights`` (None: all 1) take dicts with NeMo's keys
-    (``pad``, ``bos``, ``eos``, ``text`` / ``pad``, ``sotc``, ``eotc``, ``eotr``, ``call``)."""
+    release are not published: the defaults are the code's."""
 
-    text_loss_weight: float = 3.0
-    function_loss_weight: float = 1.0
+    text_loss_weight: float = 3.0  # the text loss's weight; 3 is s2s_duplex_stt.yaml:16
+    function_loss_weight: float = 1.0  # the function loss's weight
+    # Per text label, by NeMo's keys ``pad``, ``bos``, ``eos``, ``text``; None: all 1.
     token_weights: dict[str, float] | None = None
+    # Per function label, by NeMo's keys ``pad``, ``sotc``, ``eotc``, ``eotr``, ``call``; None: all 1.
     function_token_weights: dict[str, float] | None = None
 
 
@@ -186,17 +173,15 @@ def stt_loss(model: VoiceChatNetworks, out: STTOutput, text_labels: torch.Tensor
 @dataclass
 class TTSLossConfig:
     """EAR-TTS's training options (nemotron_voicechat_nano9b.yaml 124-129, ear_tts_model.py 1169-1205,
-    1232-1293): masking rate ``U(0, max_training_rate)`` through the schedule with ``exponent``; with
-    probability ``quantizer_dropout`` the input codes keep only a uniform number of first quantizers; the
-    text condition is dropped to ``null_emb`` with ``p_uncond`` per conversation; ``label_smoothing`` of
-    the posterior over components. NeMo's release trains with no EOS head (``disable_eos_prediction``)
-    and no random target masking."""
+    1232-1293). NeMo's release trains with no EOS head (``disable_eos_prediction``) and no random target
+    masking."""
 
-    max_training_rate: float = 0.8
-    exponent: float = 3.0
+    max_training_rate: float = 0.8  # the masking rate is ``U(0, max_training_rate)`` through the schedule
+    exponent: float = 3.0  # the masking schedule's exponent (:func:`masking_rate`)
+    # With this probability the input codes keep only a uniform number of first quantizers.
     quantizer_dropout: float = 0.5
-    p_uncond: float = 0.1
-    label_smoothing: float = 0.01
+    p_uncond: float = 0.1  # per conversation, the probability the text condition is dropped to ``null_emb``
+    label_smoothing: float = 0.01  # of the posterior over components
 
 
 def masking_rate(rate: torch.Tensor, exponent: float) -> torch.Tensor:
