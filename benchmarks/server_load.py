@@ -303,6 +303,31 @@ async def run_clients(url: str, args, pid: int | None) -> tuple[list[dict], dict
     return [summarize(r, args) for r in results], process
 
 
+@contextlib.contextmanager
+def through_ray(args):
+    """The same server as Ray Serve replicas on a local Ray instance; yields the proxy's realtime URL."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from nvchat_torch.server.ray_serve import Deployment, ReplicaSettings, deploy
+
+    path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        deploy(ReplicaSettings(model=str(path), device="cpu", threads=args.threads,
+                               max_sessions=args.max_sessions or args.clients),
+               Deployment(replicas=args.ray_replicas), "127.0.0.1", port)
+        yield f"ws://127.0.0.1:{port}/v1/realtime"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.server_load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-clients", type=int, default=1, metavar="N", help="how many clients stall (the first N)")
     p.add_argument("--no-catch-up", action="store_true",
                    help="the in-process server runs no catch-up steps: a late frame waits for its own tick")
+    p.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                   help="serve through Ray Serve instead: N replicas of the same model on a local Ray instance, "
+                        "behind Serve's proxy (the ray extra; docs/server.md, \"Many GPUs\")")
     p.add_argument("--timeout", type=float, default=600.0, help="overall limit, seconds; clients past it stop")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -341,13 +369,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--stall must be positive and --stall-at inside --seconds")
     if args.no_catch_up and args.url:
         p.error("--no-catch-up is an option of the in-process server; a running one takes it on its command line")
-    from nvchat_torch.server.__main__ import default_threads
+    from nvchat_torch.server.realtime_server import default_threads
 
     torch.set_num_threads(args.threads or default_threads())
     in_process, cache, scheduler = not args.url, None, None
     with contextlib.ExitStack() as stack:
         if args.url:
             url, pid, model_name = args.url, args.pid or 0, args.url  # 0: no process to measure
+        elif args.ray_replicas:
+            url, model_name = stack.enter_context(through_ray(args)), f"Ray Serve, {args.ray_replicas} replica(s)"
+            pid, in_process = 0, False
         else:
             path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
             model = nv.load_model(path, device="cpu")
@@ -370,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.stall_at:g} s to {args.stall_at + args.stall:g} s into their stream, then the held frames at "
               f"once; catch-up steps {'off' if args.no_catch_up else 'on' if in_process else 'as the server runs'}")
     print(table(rows))
+    usual = [r["usual_lag_ms"] for r in rows if r["usual_lag_ms"] == r["usual_lag_ms"]]
+    if usual:
+        # With clients spread over the tick (--stagger 0.01: 8 clients, 10 ms apart), the mean leaves out
+        # where each client's sends fall against the server's 80 ms tick.
+        print(f"clients' usual lag: median {float(np.median(usual)):.1f} ms, mean {float(np.mean(usual)):.1f} ms")
     for r in rows:
         if r["stalled"]:
             series = " ".join("-" if v is None else str(v) for v in r["series"])

@@ -90,7 +90,8 @@ def pytest_sessionstart(session):
 # against a live server) and bound how late a frame may come. .ci/run runs the rest on two processes
 # (pytest-xdist) and these afterwards on their own, so that no other test's work delays their frames.
 REALTIME_MODULES = {"test_server", "test_server_safety", "test_server_fuzz", "test_server_requests", "test_server_turns",
-                    "test_pipecat", "test_livekit", "test_browser", "test_cli", "test_server_lag", "test_server_tools"}
+                    "test_pipecat", "test_livekit", "test_browser", "test_cli", "test_server_lag", "test_server_tools",
+                    "test_ray_serve"}
 
 
 def pytest_configure(config):

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from ..stream import DTYPES, add_compile_argument
+from .realtime_server import default_threads
 from .security import is_loopback, normalize_origin
 
 __all__ = ["main", "is_loopback", "default_threads"]
@@ -55,16 +56,17 @@ def _parser() -> argparse.ArgumentParser:
                         "off: the raw model decides alone); a session may choose otherwise with nvchat.turn_taking")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_compile_argument(p)
+    ray = p.add_argument_group("many GPUs, on Ray Serve (the ray extra; docs/server.md, \"Many GPUs\")")
+    ray.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="serve N replicas of the model on Ray Serve, each holding --max-sessions calls; its proxy "
+                          "listens on --host:--port")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the Ray cluster to join (HOST:PORT, ray://HOST:PORT or auto; default: start a local one)")
+    ray.add_argument("--gpus-per-replica", type=float, default=None, metavar="G",
+                     help="GPUs each replica asks Ray for (default: 1 with --device cuda, else 0)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="scale between MIN and MAX replicas by open calls (off by default; docs/server.md)")
     return p
-
-
-def default_threads() -> int:
-    """The server's torch threads unless ``--threads`` says otherwise: half of torch's default (its
-    cores), at least one. The worker's per-frame steps are thousands of small ops whose fork/join
-    contends with the event loop and the connections for the same cores (docs/server.md, "Under load")."""
-    import torch
-
-    return max(1, torch.get_num_threads() // 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --host {args.host} would let anyone who can reach this machine use the model (and the "
               "microphone page): give --api-key KEY, or --insecure to serve it without one", file=sys.stderr)
         return 2
+    if args.replicas is not None or args.autoscale is not None:
+        return _serve_on_ray(args)
     try:
         import uvicorn
 
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     import nvchat_torch as nv
+
     from ..stream import load_from_args
 
     if not is_loopback(args.host):
@@ -130,6 +135,57 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=WS_MAX_BYTES, log_level=args.log_level)
     uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``--replicas``: deploy on Ray Serve and stay in the foreground until interrupted."""
+    if args.replicas is not None and args.replicas < 1:
+        print(f"error: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    try:
+        from . import ray_serve
+    except ImportError as e:
+        print(f"error: --replicas needs the ray extra ({e.name} is missing): pip install 'nvchat_torch[ray]'",
+              file=sys.stderr)
+        return 2
+    try:
+        autoscale = None if args.autoscale is None else ray_serve.parse_autoscale(args.autoscale)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if (args.device or "").startswith("cuda") else 0.0
+    settings = ray_serve.ReplicaSettings(
+        model=args.model, device=args.device, dtype=args.dtype, weights=args.weights, compile=args.compile,
+        threads=args.threads, max_sessions=args.max_sessions, api_key=args.api_key,
+        allow_origins=tuple(args.allow_origin), turn_taking=args.turn_taking == "on", catch_up=not args.no_catch_up,
+        max_buffered_seconds=args.max_buffer_seconds, warm_prompt_tokens=args.warm_prompt_tokens)
+    deployment = ray_serve.Deployment(replicas=args.replicas or 1, gpus_per_replica=gpus, autoscale=autoscale)
+    reason = ray_serve.connect(args.ray_address)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    try:
+        url = ray_serve.deploy(settings, deployment, args.host, args.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    count = f"{autoscale[0]} to {autoscale[1]}" if autoscale else str(deployment.replicas)
+    print(f"serving on {url} (realtime: {url.replace('http', 'ws', 1)}v1/realtime) through Ray Serve: {count} "
+          f"replica(s) of {args.max_sessions} sessions; Ctrl-C stops it", file=sys.stderr, flush=True)
+    try:
+        import threading
+
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray_serve.end_board(deployment.app_name)
     return 0
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import numpy as np
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -26,17 +26,35 @@ from fastapi.staticfiles import StaticFiles
 
 from ..audio_io import StreamResampler
 from ..events import StreamingOptions
-from .items import ItemEvents
-from .requests import RequestEvents
 from .conversation_state import Response, SpokenPhrase, TurnState, new_id
+from .ga_schema import show
+from .items import ItemEvents
+from .realtime_server import (
+    MAX_BUFFERED_SECONDS,
+    MAX_MESSAGE_BYTES,
+    MAX_STEP_FRACTION,
+    MAX_UNSENT_SECONDS,
+    PROMPT_CACHE_BYTES,
+    WS_MAX_BYTES,
+    RealtimeServer,
+    listen_socket,
+)
+from .requests import RequestEvents
 from .responses import ResponseEvents
-from .realtime_server import (MAX_BUFFERED_SECONDS, MAX_MESSAGE_BYTES, MAX_STEP_FRACTION, MAX_UNSENT_SECONDS,
-                              PROMPT_CACHE_BYTES, WS_MAX_BYTES, RealtimeServer, listen_socket)
 from .scheduler import WARM_PROMPT_TOKENS, Output
 from .security import OriginPolicy
-from .ga_schema import show
-from .session_config import (FIXED_AFTER_START, ClientError, SessionConfig, decode_audio, format_json, ga_update,
-                             is_mlx_update, mlx_update, not_applied, turn_taking_json)
+from .session_config import (
+    FIXED_AFTER_START,
+    ClientError,
+    SessionConfig,
+    decode_audio,
+    format_json,
+    ga_update,
+    is_mlx_update,
+    mlx_update,
+    not_applied,
+    turn_taking_json,
+)
 
 __all__ = ["create_app", "listen_socket", "RealtimeServer", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS"]
@@ -84,7 +102,8 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
                allow_origins: Iterable[str] = (), max_buffered_seconds: float = MAX_BUFFERED_SECONDS,
                max_unsent_seconds: float = MAX_UNSENT_SECONDS, turn_taking: Any = True,
                max_step_fraction: float = MAX_STEP_FRACTION, prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
-               catch_up: bool = True, warm_prompt_tokens: int = WARM_PROMPT_TOKENS) -> FastAPI:
+               catch_up: bool = True, warm_prompt_tokens: int = WARM_PROMPT_TOKENS,
+               health: Callable[[dict], Awaitable[dict]] | None = None) -> FastAPI:
     """The FastAPI app: ``/`` (the web page), ``/health`` and the ``/v1/realtime`` WebSocket. The
     sessions share one batched engine stepped every ``clock`` seconds (default: the 80 ms frame).
     Browser pages of other origins than the server's own are refused unless in ``allow_origins``
@@ -97,7 +116,8 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     the next session with the same one, up to ``prompt_cache_bytes`` (0: none). ``catch_up``: a session
     behind gets extra steps between the ticks (False: one frame per session per tick). While idle the
     server makes its default mode's prefill track ``warm_prompt_tokens`` long (0: not before a session
-    asks), so its first caller's prompt opens at once too."""
+    asks), so its first caller's prompt opens at once too. ``health``: what ``/health`` answers, given
+    this server's own report (a Ray Serve replica adds its deployment's)."""
     server = RealtimeServer(model, model_name=model_name, max_sessions=max_sessions, api_key=api_key, clock=clock,
                             max_message_bytes=max_message_bytes, max_buffered_seconds=max_buffered_seconds,
                             max_unsent_seconds=max_unsent_seconds, turn_taking=turn_taking, catch_up=catch_up,
@@ -114,8 +134,8 @@ def create_app(model, *, model_name: str = "nvchat", max_sessions: int = 4, api_
     app.add_middleware(OriginPolicy, allow_origins=list(allow_origins))
 
     @app.get("/health")
-    async def health() -> dict:
-        return server.health()
+    async def health_report() -> dict:
+        return server.health() if health is None else await health(server.health())
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -12,8 +12,8 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from .ga_schema import MCP_ITEMS, UnknownKey, check, show
 from .conversation_state import ToolResultRequest, new_id
+from .ga_schema import MCP_ITEMS, UnknownKey, check, show
 from .session_config import ClientError
 
 __all__ = ["ItemEvents", "MAX_ITEMS", "render_message"]

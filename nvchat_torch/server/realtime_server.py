@@ -14,7 +14,7 @@ from .scheduler import WARM_PROMPT_TOKENS, FrameScheduler
 from .security import keys_equal
 from .session_config import turn_taking_config
 
-__all__ = ["RealtimeServer", "listen_socket", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
+__all__ = ["RealtimeServer", "listen_socket", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS", "default_threads",
            "MAX_UNSENT_SECONDS", "MAX_STEP_FRACTION", "PROMPT_CACHE_BYTES"]
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger client message is answered with `message_too_large`
@@ -39,6 +39,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def default_threads() -> int:
+    """The server's torch threads unless ``--threads`` says otherwise: half of torch's default (its
+    cores), at least one. The worker's per-frame steps are thousands of small ops whose fork/join
+    contends with the event loop and the connections for the same cores (docs/server.md, "Under load")."""
+    import torch
+
+    return max(1, torch.get_num_threads() // 2)
 
 
 class RealtimeServer:
@@ -76,15 +85,25 @@ class RealtimeServer:
     def try_reserve(self) -> str | None:
         """Take a session slot; or why the server is full (and no slot is taken)."""
         with self._lock:
-            if self.active >= self.max_sessions:
-                return f"all {self.max_sessions} sessions are in use; try again later"
-            step = self.scheduler.median_step_s()
-            if self.active and self.max_step_s and step >= self.max_step_s:
-                return (f"the server is at its real-time limit: its median step of {step * 1000:.0f} ms with "
-                        f"{self.active} sessions is near the {self.model.config.frame_duration * 1000:.0f} ms "
-                        "frame; try again later")
-            self.active += 1
-            return None
+            full = self._refusal()
+            if full is None:
+                self.active += 1
+            return full
+
+    def refusal(self) -> str | None:
+        """Why a new session would be refused now, or None (nothing is reserved)."""
+        with self._lock:
+            return self._refusal()
+
+    def _refusal(self) -> str | None:
+        if self.active >= self.max_sessions:
+            return f"all {self.max_sessions} sessions are in use; try again later"
+        step = self.scheduler.median_step_s()
+        if self.active and self.max_step_s and step >= self.max_step_s:
+            return (f"the server is at its real-time limit: its median step of {step * 1000:.0f} ms with "
+                    f"{self.active} sessions is near the {self.model.config.frame_duration * 1000:.0f} ms "
+                    "frame; try again later")
+        return None
 
     def release(self) -> None:
         with self._lock:
