@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -567,3 +569,126 @@ def test_eos_resets_the_previous_codes_to_silence():
         on = tr.tts_forward(model, text, codes, generator=torch.Generator().manual_seed(0))
         off = tr.tts_forward(model, text, codes, generator=torch.Generator().manual_seed(0), eos_resets=False)
     assert torch.equal(on.mu_res[:, :3], off.mu_res[:, :3]) and not torch.allclose(on.mu_res[:, 3], off.mu_res[:, 3])
+
+
+# --------------------------------------------------------------------------------------
+# Many processes (torchrun)
+
+
+def _two_conversations(folder) -> Path:
+    from nvchat_torch.audio_io import write_wav
+    rng = np.random.default_rng(2)
+    lines = []
+    for i in range(2):
+        write_wav(folder / f"user{i}.wav", (rng.standard_normal(FRAME * 10) * 0.1).astype(np.float32), 16000)
+        write_wav(folder / f"agent{i}.wav", (rng.standard_normal(1764 * 10) * 0.1).astype(np.float32), 22050)
+        lines.append(json.dumps({"user_audio": f"user{i}.wav", "agent_audio": f"agent{i}.wav",
+                                 "turns": [{"start": 0.08 * (i + 1), "end": 0.7, "text": ["hello you", "fine"][i]}]}))
+    (folder / "m.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "m.jsonl"
+
+
+def test_two_processes_train_as_one_with_twice_the_accumulation(tmp_path):
+    """torchrun with 2 CPU processes (gloo) and --accumulate 1 takes the same global batch per step as one
+    process with --accumulate 2, and every random draw is keyed by (seed, step, conversation): the losses
+    and the adapters are the same within float tolerance. Rank 0 writes every file."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from nvchat_torch.training import finetune
+    manifest = _two_conversations(tmp_path)
+    common = ["--data", str(manifest), "--steps", "2", "--lr", "1e-3", "--lora-dropout", "0.1", "--seed", "3"]
+    assert finetune.main([*common, "--out", str(tmp_path / "one"), "--accumulate", "2"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "nvchat_torch.finetune", *common, "--out", str(tmp_path / "two"), "--accumulate", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [[json.loads(line) for line in (tmp_path / run / "loss_log.jsonl").read_text().splitlines()]
+            for run in ("one", "two")]
+    assert [e["step"] for e in logs[1]] == [1, 2]
+    for a, b in zip(*logs):
+        for key in ("loss", "stt_loss", "tts_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5), (key, a, b)
+    one, two = (load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "two"))
+    assert one.keys() == two.keys() and one
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6)
+    assert json.loads((tmp_path / "two" / "train_config.json").read_text())["global_batch"] == 2
+    # A global batch larger than the conversations is refused before any work, naming both.
+    with pytest.raises(SystemExit, match="2 conversation.*fewer than the global batch of 3"):
+        finetune.main([*common, "--out", str(tmp_path / "three"), "--accumulate", "3"])
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_on_another_number_of_processes(tmp_path):
+    """Stopped after 2 steps (its checkpoint) and resumed to 4 on 2 processes, a run gives the uninterrupted
+    4-step run's losses and adapters, and its loss log goes on in the same file. --resume without a
+    checkpoint, or with another setting, is refused, naming it."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from nvchat_torch.training import finetune
+    manifest = _two_conversations(tmp_path)
+    common = ["--data", str(manifest), "--lr", "1e-3", "--seed", "5"]
+    assert finetune.main([*common, "--out", str(tmp_path / "whole"), "--steps", "4", "--accumulate", "2"]) == 0
+    run = tmp_path / "stopped"
+    assert finetune.main([*common, "--out", str(run), "--steps", "2", "--accumulate", "2", "--save-every", "2"]) == 0
+    assert (run / "checkpoint.pt").exists()
+    with pytest.raises(SystemExit, match="was written with lr=0.001; this run has lr=0.002"):
+        finetune.main(["--data", str(manifest), "--lr", "2e-3", "--seed", "5", "--out", str(run), "--steps", "4",
+                       "--accumulate", "2", "--resume"])
+    with pytest.raises(SystemExit, match="checkpoint.pt does not exist"):
+        finetune.main([*common, "--out", str(tmp_path / "empty"), "--steps", "4", "--resume"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "nvchat_torch.finetune", *common, "--out", str(run), "--steps", "4", "--accumulate",
+                           "1", "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [[json.loads(line) for line in (tmp_path / name / "loss_log.jsonl").read_text().splitlines()]
+            for name in ("whole", "stopped")]
+    assert [e["step"] for e in logs[1]] == [1, 2, 3, 4]
+    for a, b in zip(*logs):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+    whole, resumed = (load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors"))
+                      for name in ("whole", "stopped"))
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=1e-4, atol=1e-6)
+
+
+def test_full_fine_tuning_sharded_on_two_processes_equals_one(tmp_path):
+    """--full --fsdp on 2 processes (FSDP2 over gloo: each trained Nemotron-H block, TTS layer and Conformer
+    layer its own unit) gives one process's --full run: its losses and the merged card, which loads. --fsdp
+    outside torchrun, or without --full, is refused before any work."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from nvchat_torch.training import finetune
+    manifest = _two_conversations(tmp_path)
+    common = ["--data", str(manifest), "--steps", "2", "--lr", "1e-4", "--seed", "3", "--full"]
+    assert finetune.main([*common, "--out", str(tmp_path / "one"), "--accumulate", "2"]) == 0
+    with pytest.raises(SystemExit, match="--fsdp shards over processes: run it under torchrun"):
+        finetune.main([*common, "--out", str(tmp_path / "x"), "--fsdp"])
+    with pytest.raises(SystemExit, match="--fsdp shards full fine-tuning: add --full"):
+        finetune.main(["--data", str(manifest), "--out", str(tmp_path / "x"), "--fsdp"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "nvchat_torch.finetune", *common, "--fsdp", "--out", str(tmp_path / "two"),
+                           "--accumulate", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [[json.loads(line) for line in (tmp_path / run / "loss_log.jsonl").read_text().splitlines()]
+            for run in ("one", "two")]
+    for a, b in zip(*logs, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+    one, two = (load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("one", "two"))
+    assert one.keys() == two.keys()
+    before = nv.load_tiny_model("cpu", torch.float32, prepare=False).state_dict()  # the command's start
+    assert any(not torch.equal(one[k], before[k]) for k in one if k in before)  # the run trained something
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6)
+    nv.load_model(tmp_path / "two" / "model", device="cpu", dtype=torch.float32)  # the sharded run's card loads

@@ -251,11 +251,12 @@ def merge_lora(model: nn.Module) -> list[str]:
     return merged
 
 
-def save_merged(model: nn.Module, folder: str | os.PathLike) -> Path:
+def save_merged(model: nn.Module, folder: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Merge the adapters (:func:`merge_lora`) and write the model as a card :func:`~nvchat_torch.load_model`
     reads: every tensor as the model holds it, except that a merged packed base is quantized again with its
     own mode, bits and group size (the merge is then rounded to that grid). The model must be unprepared
-    (its state dict the checkpoint's)."""
+    (its state dict the checkpoint's). ``state``: the model's whole state dict, where the model holds only
+    its shard of it (a sharded run gathers it first: :mod:`~nvchat_torch.training.distributed`)."""
     from safetensors.torch import save_file
 
     from ..tiny import write_card_files
@@ -276,7 +277,7 @@ def save_merged(model: nn.Module, folder: str | os.PathLike) -> Path:
             tensors.update({f"{name}.weight": wq, f"{name}.scales": scales, f"{name}.biases": biases})
         if isinstance(module, QuantizedLinear) or spec is not None:
             bits, group = (spec or module.spec).bits, (spec or module.spec).group_size
-    for key, t in model.state_dict().items():
+    for key, t in (model.state_dict() if state is None else state).items():
         tensors.setdefault(key, t.detach().cpu())
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "mlx"})

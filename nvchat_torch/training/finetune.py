@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from . import adapters
+from .distributed import Ranks, keyed_generator
 from .labels import Example, build_example, read_manifest
 from .objectives import STTLossConfig, TTSLossConfig, stt_forward, stt_loss, tts_forward, tts_loss
 
@@ -127,6 +129,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="weights' dtype (default: as the card stores them; the tiny model: float32)")
     p.add_argument("--objectives", default="stt,tts", help="comma-separated: stt, tts")
     p.add_argument("--full", action="store_true", help="train the weights (NVIDIA's freezing) instead of LoRA")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --full under torchrun: shard the trained layers over the processes (FSDP2)")
     p.add_argument("--freeze", action="append", default=[], help="with --full: also freeze these names (regex)")
     p.add_argument("--train", action="append", default=[], help="with --full: also train these names (regex)")
     p.add_argument("--lora-r", type=int, default=8)
@@ -136,8 +140,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--merge", action="store_true", help="also write the adapters merged into a card (DIR/model)")
     p.add_argument("--int4pack", action="store_true",
                    help="run the 4-bit base on torch's int4pack kernel (faster on GPUs; no --merge then)")
-    p.add_argument("--accumulate", type=int, default=1, help="conversations per optimizer step")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="conversations per optimizer step and process (the global batch: processes x this)")
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="write a checkpoint to DIR/checkpoint.pt every K steps, to --resume from (0: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its checkpoint (the same settings; any number of processes "
+                        "with the same global batch); its loss log goes on in the same file")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -166,12 +176,26 @@ class FineTuneRecipe:
         args = self.args
         if not self.objectives or set(self.objectives) - {"stt", "tts"}:
             raise SystemExit(f"--objectives: stt and/or tts, got {args.objectives!r}")
-        self.out.mkdir(parents=True, exist_ok=True)
         conversations = read_manifest(args.data)
         if args.int4pack and (args.full or args.merge):
             raise SystemExit("--int4pack: the adapters then sit over a layout no card has; drop --full / --merge")
         if args.accumulate < 1:
             raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
+        if args.fsdp and not args.full:
+            raise SystemExit("--fsdp shards full fine-tuning: add --full (adapters train replicated, as DDP does)")
+        if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            raise SystemExit("--fsdp shards over processes: run it under torchrun "
+                             "(torchrun --nproc_per_node N -m nvchat_torch.finetune ... --full --fsdp)")
+        if args.fsdp and (args.save_every or args.resume):
+            raise SystemExit("--fsdp: --save-every and --resume are not built for sharded runs yet")
+        ranks = self.ranks = Ranks.start(args.device)
+        self.global_batch = ranks.world * args.accumulate  # conversations per optimizer step, all ranks
+        if len(conversations) < self.global_batch:
+            raise SystemExit(f"{args.data}: {len(conversations)} conversation(s), fewer than the global batch of "
+                             f"{self.global_batch} ({ranks.world} process(es) x --accumulate {args.accumulate})")
+        if ranks.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        args.device = ranks.device(args.device)
         model = self.model = _load(args)
         if args.int4pack:
             from ..models.quant import pack_int4
@@ -179,10 +203,11 @@ class FineTuneRecipe:
         self.examples = [build_example(model, c, advance=args.advance, delay=args.delay,
                                        delay_eos_by=args.delay_eos_by, delay_bos_by=args.delay_bos_by,
                                        speech_delay=args.speech_delay) for c in conversations]
-        self.generator = torch.Generator(device=model.device).manual_seed(args.seed)  # the objectives' draws
-        self.order = torch.Generator().manual_seed(args.seed)  # the conversations' order
+        self.order = torch.Generator().manual_seed(args.seed)  # the conversations' order, the same on every rank
         if args.full:
             set_trainable(model, self.objectives, args.freeze, args.train)
+            if args.fsdp:
+                self.shards = ranks.shard(model)
             params = [p for p in model.parameters() if p.requires_grad]
         else:
             named = {"llm": adapters.LLM_TARGETS, "tts": adapters.TTS_TARGETS}
@@ -191,6 +216,7 @@ class FineTuneRecipe:
                               torch.Generator(device=model.device).manual_seed(args.seed))
             adapters.freeze_packed(model)
             params = adapters.lora_parameters(model)
+        self.params = params
         model.train()
         self.stt_config = STTLossConfig(args.text_loss_weight, args.function_loss_weight, args.token_weights,
                                         args.function_token_weights)
@@ -198,48 +224,126 @@ class FineTuneRecipe:
                                         args.p_uncond, args.label_smoothing)
         # NVIDIA's optimizer: AdamW, betas (0.9, 0.98) (nemotron_voicechat_nano9b.yaml); no schedule here.
         self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+        self.start_step, self.pending = 0, []
+        if args.resume:
+            self._resume()
         config = {**vars(args), "trainable_parameters": sum(p.numel() for p in params),
                   "stt_loss": asdict(self.stt_config), "tts_loss": asdict(self.tts_config),
-                  "source": getattr(model, "source", None)}
-        (self.out / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+                  "processes": ranks.world, "global_batch": self.global_batch, "source": getattr(model, "source", None)}
+        if ranks.main:
+            (self.out / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
 
     def train(self) -> None:
-        args, model = self.args, self.model
-        progress = _Progress(args.steps)
-        with open(self.out / "loss_log.jsonl", "w") as log:
-            order: list[int] = []
-            for step in range(args.steps):
+        args, model, ranks = self.args, self.model, self.ranks
+        progress = _Progress(args.steps - self.start_step) if ranks.main else None
+        log = None
+        if ranks.main:  # resumed: the log goes on from the checkpoint's step (lines past it are redone)
+            path = self.out / "loss_log.jsonl"
+            kept = path.read_text().splitlines()[:self.start_step] if self.start_step and path.exists() else []
+            log = open(path, "w")
+            log.writelines(line + "\n" for line in kept)
+        try:
+            order: list[int] = list(self.pending)
+            for step in range(self.start_step, args.steps):
                 start = time.perf_counter()
                 self.optimizer.zero_grad(set_to_none=True)
-                totals: dict[str, float] = {}
-                for _ in range(args.accumulate):  # the mean of the conversations' losses
+                batch = []  # the step's global batch: the same conversations whatever the number of processes
+                for _ in range(self.global_batch):
                     if not order:
                         order = torch.randperm(len(self.examples), generator=self.order).tolist()
-                    losses = train_step(model, self.examples[order.pop()], self.objectives, self.generator,
+                    batch.append(order.pop())
+                totals: dict[str, float] = {}
+                for index in ranks.share(batch):  # the mean of the global batch's losses
+                    generator = keyed_generator(args.seed, step, index, model.device)
+                    for layer in adapters.lora_modules(model).values():  # its dropout masks too
+                        layer.generator = generator
+                    losses = train_step(model, self.examples[index], self.objectives, generator,
                                         self.stt_config, self.tts_config)
-                    (losses["loss"] / args.accumulate).backward()
+                    (losses["loss"] / self.global_batch).backward()
                     for k, v in losses.items():
-                        totals[k] = totals.get(k, 0.0) + float(v.detach()) / args.accumulate
+                        totals[k] = totals.get(k, 0.0) + float(v.detach()) / self.global_batch
+                ranks.sum_gradients(self.params)
+                totals = ranks.sum_losses(totals)
                 self.optimizer.step()
-                log.write(json.dumps({"step": step + 1, **totals, "seconds": time.perf_counter() - start}) + "\n")
-                log.flush()
-                progress.update({k: v for k, v in totals.items() if k.endswith("loss")})
-        progress.close()
+                if log is not None and progress is not None:
+                    log.write(json.dumps({"step": step + 1, **totals, "seconds": time.perf_counter() - start}) + "\n")
+                    log.flush()
+                    progress.update({k: v for k, v in totals.items() if k.endswith("loss")})
+                if args.save_every and (step + 1) % args.save_every == 0:
+                    self._checkpoint(step + 1, order)
+        finally:
+            if log is not None:
+                log.close()
+            if progress is not None:
+                progress.close()
+
+    # ---- checkpoints: what --resume needs to continue a run as if it had not stopped
+    def _settings(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint's (the draws are keyed by seed, step and
+        conversation, so with these equal the resumed steps are the uninterrupted run's)."""
+        a = self.args
+        return {"data": str(Path(a.data).resolve()), "model": a.model, "preset": a.preset, "dtype": a.dtype,
+                "weights": a.weights, "objectives": self.objectives, "full": a.full, "freeze": a.freeze,
+                "train": a.train, "lora_r": a.lora_r, "lora_alpha": a.lora_alpha, "lora_dropout": a.lora_dropout,
+                "lora_targets": a.lora_targets, "int4pack": a.int4pack, "global_batch": self.global_batch,
+                "lr": a.lr, "weight_decay": a.weight_decay, "seed": a.seed}
+
+    def _checkpoint(self, step: int, order: list[int]) -> None:
+        """``DIR/checkpoint.pt`` after ``step`` steps: the trainable weights, the optimizer, the data order
+        and the settings. Written whole and then renamed, so a run killed while writing keeps the last one."""
+        if self.ranks.main:
+            state = {"step": step, "settings": self._settings(), "order": list(order),
+                     "order_generator": self.order.get_state(), "optimizer": self.optimizer.state_dict(),
+                     "weights": {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}}
+            partial = self.out / "checkpoint.pt.partial"
+            torch.save(state, partial)
+            partial.replace(self.out / "checkpoint.pt")
+        self.ranks.barrier()
+
+    def _resume(self) -> None:
+        path = self.out / "checkpoint.pt"
+        if not path.exists():
+            raise SystemExit(f"--resume: {path} does not exist (write one with --save-every K)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        for name, value in self._settings().items():
+            was = state["settings"].get(name)
+            if was != value:
+                raise SystemExit(f"--resume: {path} was written with {name}={was!r}; this run has {name}={value!r}")
+        trainable = dict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+        if trainable.keys() != state["weights"].keys():
+            raise SystemExit(f"--resume: {path} holds other trainable parameters than this run's")
+        with torch.no_grad():
+            for name, p in trainable.items():
+                p.copy_(state["weights"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.order.set_state(state["order_generator"])
+        self.start_step, self.pending = int(state["step"]), list(state["order"])
+        if self.start_step >= self.args.steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {self.start_step}; --steps {self.args.steps} "
+                             "leaves nothing to run")
 
     def save(self) -> None:
         self.model.eval()
-        if not self.args.full:
-            adapters.save_adapter(self.model, self.out / "adapter")
-        if self.args.full or self.args.merge:
-            adapters.save_merged(self.model, self.out / "model")
-        print(f"wrote {self.out}", file=sys.stderr)
+        state = self.ranks.whole_state(self.model) if getattr(self, "shards", None) else None
+        if self.ranks.main:  # every rank holds the same weights (or its shard of them): rank 0 writes
+            if not self.args.full:
+                adapters.save_adapter(self.model, self.out / "adapter")
+            if self.args.full or self.args.merge:
+                adapters.save_merged(self.model, self.out / "model", state=state)
+            print(f"wrote {self.out}", file=sys.stderr)
+        self.ranks.barrier()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """One process, or one rank of ``torchrun --nproc_per_node N -m nvchat_torch.finetune ...``."""
     recipe = FineTuneRecipe(parse_args(argv))
-    recipe.setup()
-    recipe.train()
-    recipe.save()
+    try:
+        recipe.setup()
+        recipe.train()
+        recipe.save()
+    finally:
+        if hasattr(recipe, "ranks"):
+            recipe.ranks.close()
     return 0
 
 
