@@ -661,8 +661,9 @@ def test_a_resumed_run_equals_an_uninterrupted_one_on_another_number_of_processe
 
 def test_full_fine_tuning_sharded_on_two_processes_equals_one(tmp_path):
     """--full --fsdp on 2 processes (FSDP2 over gloo: each trained Nemotron-H block, TTS layer and Conformer
-    layer its own unit) gives one process's --full run: its losses and the merged card, which loads. --fsdp
-    outside torchrun, or without --full, is refused before any work."""
+    layer its own unit) gives one process's --full run: its losses and the merged card, which loads; a
+    sharded run stopped and resumed gives the uninterrupted one. --fsdp outside torchrun, or without
+    --full, is refused before any work."""
     import subprocess
     import sys
 
@@ -692,3 +693,15 @@ def test_full_fine_tuning_sharded_on_two_processes_equals_one(tmp_path):
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6)
     nv.load_model(tmp_path / "two" / "model", device="cpu", dtype=torch.float32)  # the sharded run's card loads
+    # Stopped after 1 step (its shards in DIR/checkpoint/, torch.distributed.checkpoint) and resumed to 2:
+    # the uninterrupted sharded run's card.
+    for steps, more in (("1", []), ("2", ["--resume"])):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", "nvchat_torch.finetune", *common[:2], "--steps", steps, *common[4:], "--fsdp",
+                               "--out", str(tmp_path / "stopped"), "--accumulate", "1", "--save-every", "1", *more],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "stopped" / "checkpoint" / "run.pt").exists()
+    resumed = load_file(str(tmp_path / "stopped" / "model" / "model.safetensors"))
+    for name in two:
+        torch.testing.assert_close(resumed[name], two[name], rtol=1e-5, atol=1e-7)

@@ -186,8 +186,6 @@ class FineTuneRecipe:
         if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             raise SystemExit("--fsdp shards over processes: run it under torchrun "
                              "(torchrun --nproc_per_node N -m nvchat_torch.finetune ... --full --fsdp)")
-        if args.fsdp and (args.save_every or args.resume):
-            raise SystemExit("--fsdp: --save-every and --resume are not built for sharded runs yet")
         ranks = self.ranks = Ranks.start(args.device)
         self.global_batch = ranks.world * args.accumulate  # conversations per optimizer step, all ranks
         if len(conversations) < self.global_batch:
@@ -286,11 +284,14 @@ class FineTuneRecipe:
                 "weights": a.weights, "objectives": self.objectives, "full": a.full, "freeze": a.freeze,
                 "train": a.train, "lora_r": a.lora_r, "lora_alpha": a.lora_alpha, "lora_dropout": a.lora_dropout,
                 "lora_targets": a.lora_targets, "int4pack": a.int4pack, "global_batch": self.global_batch,
-                "lr": a.lr, "weight_decay": a.weight_decay, "seed": a.seed}
+                "lr": a.lr, "weight_decay": a.weight_decay, "seed": a.seed, "fsdp": a.fsdp}
 
     def _checkpoint(self, step: int, order: list[int]) -> None:
         """``DIR/checkpoint.pt`` after ``step`` steps: the trainable weights, the optimizer, the data order
-        and the settings. Written whole and then renamed, so a run killed while writing keeps the last one."""
+        and the settings (a sharded run: ``DIR/checkpoint/``, see :meth:`_checkpoint_shards`). Written whole
+        and then renamed, so a run killed while writing keeps the last one."""
+        if self.args.fsdp:
+            return self._checkpoint_shards(step, order)
         if self.ranks.main:
             state = {"step": step, "settings": self._settings(), "order": list(order),
                      "order_generator": self.order.get_state(), "optimizer": self.optimizer.state_dict(),
@@ -300,8 +301,31 @@ class FineTuneRecipe:
             partial.replace(self.out / "checkpoint.pt")
         self.ranks.barrier()
 
+    def _checkpoint_shards(self, step: int, order: list[int]) -> None:
+        """A sharded run's checkpoint, ``DIR/checkpoint/``: each rank's shards of the model and optimizer
+        (``torch.distributed.checkpoint``, which a run on another process count reshards as it loads)
+        and ``run.pt`` (the step, the data order, the settings). Written beside, then renamed."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        partial, final = self.out / "checkpoint.partial", self.out / "checkpoint"
+        if self.ranks.main and partial.exists():
+            shutil.rmtree(partial)
+        self.ranks.barrier()
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=str(partial))
+        if self.ranks.main:
+            torch.save({"step": step, "settings": self._settings(), "order": list(order),
+                        "order_generator": self.order.get_state()}, partial / "run.pt")
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+        self.ranks.barrier()
+
     def _resume(self) -> None:
-        path = self.out / "checkpoint.pt"
+        path = self.out / ("checkpoint/run.pt" if self.args.fsdp else "checkpoint.pt")
         if not path.exists():
             raise SystemExit(f"--resume: {path} does not exist (write one with --save-every K)")
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -309,6 +333,24 @@ class FineTuneRecipe:
             was = state["settings"].get(name)
             if was != value:
                 raise SystemExit(f"--resume: {path} was written with {name}={was!r}; this run has {name}={value!r}")
+        if self.args.fsdp:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            weights, optimizer = get_state_dict(self.model, self.optimizer)
+            shards = {"model": weights, "optimizer": optimizer}
+            dcp.load(shards, checkpoint_id=str(path.parent))
+            set_state_dict(self.model, self.optimizer, model_state_dict=shards["model"],
+                           optim_state_dict=shards["optimizer"])
+        else:
+            self._load_replicated(path, state)
+        self.order.set_state(state["order_generator"])
+        self.start_step, self.pending = int(state["step"]), list(state["order"])
+        if self.start_step >= self.args.steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {self.start_step}; --steps {self.args.steps} "
+                             "leaves nothing to run")
+
+    def _load_replicated(self, path: Path, state: dict[str, Any]) -> None:
         trainable = dict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
         if trainable.keys() != state["weights"].keys():
             raise SystemExit(f"--resume: {path} holds other trainable parameters than this run's")
@@ -316,11 +358,6 @@ class FineTuneRecipe:
             for name, p in trainable.items():
                 p.copy_(state["weights"][name])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.order.set_state(state["order_generator"])
-        self.start_step, self.pending = int(state["step"]), list(state["order"])
-        if self.start_step >= self.args.steps:
-            raise SystemExit(f"--resume: the checkpoint is at step {self.start_step}; --steps {self.args.steps} "
-                             "leaves nothing to run")
 
     def save(self) -> None:
         self.model.eval()
