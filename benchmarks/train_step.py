@@ -20,7 +20,7 @@ import time
 
 import torch
 
-CONFIGS = ("full-f32", "lora-f32", "qlora-4bit")
+CONFIGS = ("full-f32", "lora-f32", "qlora-4bit", "full-fsdp")  # full-fsdp: run under torchrun (--fsdp N)
 
 
 def peak_mb(device: torch.device) -> float:
@@ -36,6 +36,14 @@ def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict
     from nvchat_torch.training.finetune import set_trainable, train_step
     from nvchat_torch.training.labels import Example
 
+    ranks = None
+    if name == "full-fsdp":  # one rank of torchrun; the process group even for one process, which FSDP needs
+        import torch.distributed as dist
+
+        from nvchat_torch.training.distributed import Ranks
+
+        dist.init_process_group("gloo")
+        ranks = Ranks(dist.get_rank(), dist.get_world_size())
     model = random_model("deep", seed=0, bits=4 if name == "qlora-4bit" else None).to(device)
     model.init_constants(device)
     before = peak_mb(device)
@@ -47,8 +55,10 @@ def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict
                       [True] * frames, "", None, torch.randint(0, 300, (frames,), generator=g).tolist(),
                       torch.randint(0, cfg.tts_config.codebook_size, (frames, cfg.tts_config.num_quantizers),
                                     generator=g).to(device))
-    if name == "full-f32":
+    if name in ("full-f32", "full-fsdp"):
         set_trainable(model, ["stt", "tts"])
+        if ranks is not None:
+            ranks.shard(model)
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         adapters.add_lora(model, r=8, alpha=16)
@@ -65,10 +75,14 @@ def run_one(name: str, device: torch.device, seconds: float, steps: int) -> dict
         losses = train_step(model, example, ["stt", "tts"], generator)
         optimizer.zero_grad(set_to_none=True)
         losses["loss"].backward()
+        if ranks is not None:
+            ranks.sum_gradients(params)
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    if ranks is not None:
+        ranks.close()
     return {"config": name, "frames": frames, "trainable_M": sum(p.numel() for p in params) / 1e6,
             "params_M": sum(p.numel() for p in model.parameters()) / 1e6, "step_s": sorted(times)[len(times) // 2],
             "first_step_s": times[0], "peak_MiB": peak_mb(device), "model_MiB": before}
@@ -104,6 +118,23 @@ def llm_activations(positions: int) -> dict[str, float]:
     return per
 
 
+def fsdp_memory(args) -> int:
+    """Full fine-tuning of the deep preset sharded over 1 .. N processes: each process's peak memory."""
+    import os
+
+    print(f"deep preset, full fine-tuning with FSDP2 over gloo, {args.seconds:g} s conversation, 1 thread a process")
+    print(f"{'processes':>9} | {'step s':>7} | {'peak MiB per process':>20}")
+    for n in range(1, args.fsdp + 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m",
+               "benchmarks.train_step", "--one", "full-fsdp", "--seconds", str(args.seconds), "--steps",
+               str(args.steps), "--threads", "1"]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        peaks = ", ".join(f"{r['peak_MiB']:.0f}" for r in rows)
+        print(f"{n:>9} | {max(r['step_s'] for r in rows):7.2f} | {peaks:>20}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--activations", type=int, default=None, metavar="POSITIONS",
                    help="instead: the full-size LLM's activation bytes per position (needs ~2 GB)")
+    p.add_argument("--fsdp", type=int, default=None, metavar="N",
+                   help="instead: full fine-tuning sharded over 1 to N CPU processes (torchrun, FSDP2), each "
+                        "process's peak memory")
     args = p.parse_args(argv)
+    if args.fsdp:
+        return fsdp_memory(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.activations:
