@@ -311,7 +311,8 @@ def through_ray(args):
     import ray
     from ray import serve
 
-    from nvchat_torch.server.ray_serve import Deployment, ReplicaSettings, deploy
+    from nvchat_torch.server.ray_serve import Deployment, deploy
+    from nvchat_torch.server.settings import ServerSettings
 
     path = Path(args.model) if args.model else generated_checkpoint(args.preset, 4)
     with socket.socket() as probe:
@@ -319,7 +320,7 @@ def through_ray(args):
         port = probe.getsockname()[1]
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        deploy(ReplicaSettings(model=str(path), device="cpu", threads=args.threads,
+        deploy(ServerSettings(model=str(path), device="cpu", threads=args.threads,
                                max_sessions=args.max_sessions or args.clients),
                Deployment(replicas=args.ray_replicas), "127.0.0.1", port)
         yield f"ws://127.0.0.1:{port}/v1/realtime"
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--stall must be positive and --stall-at inside --seconds")
     if args.no_catch_up and args.url:
         p.error("--no-catch-up is an option of the in-process server; a running one takes it on its command line")
-    from nvchat_torch.server.realtime_server import default_threads
+    from nvchat_torch.server.settings import default_threads
 
     torch.set_num_threads(args.threads or default_threads())
     in_process, cache, scheduler = not args.url, None, None

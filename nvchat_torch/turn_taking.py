@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .models.layers import RowCache, RowTensor, RowValue, linear
+from .models.layers import RecurrentCache, RowTensor, RowValue, linear
 
 if TYPE_CHECKING:
     from .models.rnnt import RnntState, RnntTranscriber
@@ -121,7 +121,7 @@ def punctuation_ids(config: TurnTakingConfig, vocabulary: Sequence[str]) -> dict
     return out
 
 
-class TurnTaking(RowCache):
+class TurnTaking(RecurrentCache):
     """The policy for ``batch`` conversations (rows), each with its own state; see the module doc.
 
     ``step(text_ids, user_blank, skip)`` runs one frame: ``text_ids [B]`` long, the LLM's text ids after
@@ -158,15 +158,13 @@ class TurnTaking(RowCache):
         """``[B]``: each row's reason code of the last frame (bits of :data:`REASONS`)."""
         return self.reasons.tensor
 
-    def carried(self) -> list[RowTensor]:
+    def batched(self) -> list[RowTensor]:
         """The tensors that carry a row's state from frame to frame (row = first axis)."""
         return [(self.counters, 0, 1), (self.flags, 0, 1), (self.density, 0, 1), (self.bias, 0, 1)]
 
-    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
         self.counters, self.flags, self.density, self.bias = tensors
 
-    batched = carried
-    rebind = rebind_carried
 
     def _upload(self) -> None:
         """The rows' parameters as device tensors (sent when the configs change, not per frame)."""

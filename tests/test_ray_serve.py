@@ -22,7 +22,8 @@ import ray
 import websockets
 from ray import serve
 
-from nvchat_torch.server.ray_serve import Deployment, ReplicaSettings, deploy
+from nvchat_torch.server.ray_serve import Deployment, deploy
+from nvchat_torch.server.settings import ServerSettings
 
 FRAME = 1280
 SESSIONS = 2  # per replica
@@ -39,7 +40,7 @@ def proxy():
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, namespace="nvchat", log_to_driver=False)
     port = free_port()
     try:
-        deploy(ReplicaSettings(max_sessions=SESSIONS, threads=1, warm_prompt_tokens=0, turn_taking=False),
+        deploy(ServerSettings(max_sessions=SESSIONS, threads=1, warm_prompt_tokens=0, turn_taking=False),
                Deployment(replicas=2, gpus_per_replica=1, extra_actor_options={"num_cpus": 1}), "127.0.0.1", port)
         yield port
     finally:

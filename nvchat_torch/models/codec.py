@@ -21,7 +21,7 @@ from .layers import (
     REDUCED,
     Conv1d,
     FusedOnCpu,
-    RowCache,
+    RecurrentCache,
     RowTensor,
     adopt,
     gelu_erf,
@@ -255,7 +255,7 @@ class StackedCodebooks(ResidualVectorQuantizer):
 
 
 @dataclass
-class CodecCache(RowCache):
+class CodecCache(RecurrentCache):
     """Streaming state of one decode stream, fixed-size. ``blocks`` are in the model dtype, and each
     step replaces them. ``spectrum`` holds real parts, then imaginary parts: the overlap of the next
     call's iSTFT."""
@@ -273,9 +273,6 @@ class CodecCache(RowCache):
     def rebind(self, tensors: list[torch.Tensor]) -> None:
         self.spectrum, *blocks = tensors
         self.blocks[:] = blocks  # the same list: a step's caller may hold it
-
-    carried = batched
-    rebind_carried = rebind
 
     def clear(self) -> None:
         """Back to the start of a stream (zero history), keeping the buffers."""

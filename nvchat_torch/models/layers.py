@@ -20,7 +20,7 @@ from torch import nn
 
 from . import cpu_kernels
 
-__all__ = ["RowTensor", "RowCache", "RowValue", "REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
+__all__ = ["RowTensor", "RowCache", "RecurrentCache", "RowValue", "REDUCED", "promoted", "linear", "matmul", "Linear", "Conv1d", "Conv2d", "LayerNorm", "scalar", "sigmoid", "silu",
            "gelu_tanh", "gelu_erf", "softplus", "squared_norms", "rsqrt", "mean_last", "var_last", "pointwise", "rms_norm", "RMSNorm", "OffsetRMSNorm", "PrecomputedOffsetRMSNorm",
            "adopt", "swap_modules", "add_linear", "FusedOnCpu", "FusedNorm", "register_float32", "norm_linear",
            "ACTIVATIONS", "KV_BLOCK", "grown_capacity", "fused_cpu_paths", "layer_step", "layer_step_input", "window_tail"]
@@ -213,8 +213,18 @@ class RowCache:
         self.rebind_carried(out)
 
 
+class RecurrentCache(RowCache):
+    """A row cache whose every tensor is recurrent state: a step replaces or updates all of it."""
+
+    def carried(self) -> list[RowTensor]:
+        return self.batched()
+
+    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+        self.rebind(tensors)
+
+
 @dataclass
-class RowValue(RowCache):
+class RowValue(RecurrentCache):
     """One tensor a step leaves for the next, a row per conversation along axis 0 (the ids fed back, the
     last codes, the turn-taking policy's reason codes)."""
 
@@ -225,9 +235,6 @@ class RowValue(RowCache):
 
     def rebind(self, tensors: list[torch.Tensor]) -> None:
         (self.tensor,) = tensors
-
-    carried = batched
-    rebind_carried = rebind
 
 
 def layer_step_input(cls: type[S]) -> type[S]:

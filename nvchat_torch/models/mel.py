@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import PreprocessorConfig
-from .layers import FusedOnCpu, RowCache, RowTensor
+from .layers import FusedOnCpu, RecurrentCache, RowTensor
 
 __all__ = ["LogMel", "MelCache", "slaney_mel_filterbank"]
 
@@ -58,7 +58,7 @@ def slaney_mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, device=None
 
 
 @dataclass
-class MelCache(RowCache):
+class MelCache(RecurrentCache):
     """Streaming state of :meth:`LogMel.forward_step`: ``B`` streams, each pushing whole 80 ms frames.
     ``samples`` holds enough for the next frame's windows and the preemphasis predecessor; ``frames``
     says where each stream starts inside the buffer, for the reflect padding."""
@@ -71,9 +71,6 @@ class MelCache(RowCache):
 
     def rebind(self, tensors: list[torch.Tensor]) -> None:
         (self.samples,) = tensors
-
-    carried = batched
-    rebind_carried = rebind
 
 
 class LogMel(nn.Module, FusedOnCpu):

@@ -24,6 +24,7 @@ from .layers import (
     FusedOnCpu,
     Linear,
     RMSNorm,
+    RecurrentCache,
     RowCache,
     RowTensor,
     add_linear,
@@ -252,25 +253,23 @@ class LanguageCache(RowCache):
 
 
 @dataclass
-class MambaStates(RowCache):
+class MambaStates(RecurrentCache):
     """The Mamba layers' recurrent state, one row per conversation: what an LLM step advances (``ssm``:
     the SSM state too; a compiled step leaves it to a time step of 0 instead, see frame_step)."""
 
     layers: list[MambaCache]
     ssm: bool = True
 
-    def carried(self) -> list[RowTensor]:
+    def batched(self) -> list[RowTensor]:
         return [(t, 0, 1) for c in self.layers for t in ((c.conv_state, c.ssm_state) if self.ssm else (c.conv_state,))]
 
-    def rebind_carried(self, tensors: list[torch.Tensor]) -> None:
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
         given = iter(tensors)
         for c in self.layers:
             c.conv_state = next(given)
             if self.ssm:
                 c.ssm_state = next(given)
 
-    batched = carried
-    rebind = rebind_carried
 
 
 # --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import RnntDecoderConfig, RnntJointConfig
-from .layers import Linear, RowCache, RowTensor, adopt, layer_step, linear
+from .layers import Linear, RecurrentCache, RowTensor, adopt, layer_step, linear
 
 __all__ = ["RnntDecoder", "FusedRnntDecoder", "RnntJoint", "RnntState", "RnntTranscriber", "TranscriptText",
            "is_special_piece", "decode_pieces"]
@@ -150,7 +150,7 @@ class RnntJoint(nn.Module):
 
 
 @dataclass
-class RnntState(RowCache):
+class RnntState(RecurrentCache):
     """Greedy decoding state: ``hc`` [2 * layers + 1, 1, H] = LSTM h per layer, c per layer, and the
     prediction-network output for the last emitted token (what the joint consumes next); the LSTM
     state is the one after that token (or, at the start, after the zero start input)."""
@@ -162,9 +162,6 @@ class RnntState(RowCache):
 
     def rebind(self, tensors: list[torch.Tensor]) -> None:
         (self.hc,) = tensors
-
-    carried = batched
-    rebind_carried = rebind
 
 
 class RnntTranscriber(nn.Module):

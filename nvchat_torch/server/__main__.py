@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from ..stream import DTYPES, add_compile_argument
-from .realtime_server import default_threads
 from .security import is_loopback, normalize_origin
+from .settings import ServerSettings, default_threads
 
 __all__ = ["main", "is_loopback", "default_threads"]
 
@@ -118,14 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except (nv.CheckpointError, nv.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.model or "nvchat-tiny-random"
     print(f"model: {model.describe()}", file=sys.stderr)
-    extra = {} if args.max_buffer_seconds is None else {"max_buffered_seconds": args.max_buffer_seconds}
-    if args.warm_prompt_tokens is not None:
-        extra["warm_prompt_tokens"] = args.warm_prompt_tokens
-    app = create_app(model, model_name=name, max_sessions=args.max_sessions, api_key=args.api_key,
-                     allow_origins=args.allow_origin, turn_taking=args.turn_taking == "on",
-                     catch_up=not args.no_catch_up, **extra)
+    app = create_app(model, **ServerSettings.from_args(args).app_options())
     print(f"serving on http://{args.host}:{args.port}/ (realtime: ws://{args.host}:{args.port}/v1/realtime, "
           f"{args.max_sessions} sessions)", file=sys.stderr, flush=True)
     try:
@@ -157,11 +151,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     gpus = args.gpus_per_replica
     if gpus is None:
         gpus = 1.0 if (args.device or "").startswith("cuda") else 0.0
-    settings = ray_serve.ReplicaSettings(
-        model=args.model, device=args.device, dtype=args.dtype, weights=args.weights, compile=args.compile,
-        threads=args.threads, max_sessions=args.max_sessions, api_key=args.api_key,
-        allow_origins=tuple(args.allow_origin), turn_taking=args.turn_taking == "on", catch_up=not args.no_catch_up,
-        max_buffered_seconds=args.max_buffer_seconds, warm_prompt_tokens=args.warm_prompt_tokens)
+    settings = ServerSettings.from_args(args)
     deployment = ray_serve.Deployment(replicas=args.replicas or 1, gpus_per_replica=gpus, autoscale=autoscale)
     reason = ray_serve.connect(args.ray_address)
     if reason:

@@ -20,35 +20,15 @@ from typing import Any, Mapping
 import ray
 from ray import serve
 
-__all__ = ["ReplicaSettings", "Deployment", "VoiceChatReplica", "SessionBoard", "application", "app_builder",
+from .settings import ServerSettings, default_threads
+
+__all__ = ["Deployment", "VoiceChatReplica", "SessionBoard", "application", "app_builder",
            "deploy", "end_board", "check_cluster", "REPORT_SECONDS"]
 
 log = logging.getLogger("nvchat_torch.server")
 
 REPORT_SECONDS = 0.5  # how often a replica tells the board its sessions
 STALE_SECONDS = 3.0  # a replica silent this long is gone (died, or being replaced)
-
-
-@dataclass(frozen=True)
-class ReplicaSettings:
-    """What each replica loads and how its app runs: the single-process server's options."""
-
-    model: str | None = None  # checkpoint folder or Hub id (None: the embedded tiny random model)
-    device: str | None = None  # cpu, cuda, mps (None: the replica's best)
-    dtype: str | None = None  # float32 or bfloat16 (None: the faithful mode)
-    weights: str = "auto"  # packed, dequantized or auto
-    compile: str | bool = False  # the frame step under torch.compile (a backend name), or eager
-    threads: int | None = None  # torch CPU threads (None: the single server's default)
-    max_sessions: int = 4  # conversations each replica holds
-    api_key: str | None = None  # required as 'Authorization: Bearer KEY' when set
-    allow_origins: tuple[str, ...] = ()  # browser pages of other origins that may connect
-    turn_taking: bool = True  # NVIDIA's turn-taking policy for GA sessions
-    catch_up: bool = True  # late frames made up between the ticks
-    max_buffered_seconds: float | None = None  # input a session may queue (None: the server's default)
-    warm_prompt_tokens: int | None = None  # the idle prefill track's length (None: the server's default)
-
-    def model_name(self) -> str:
-        return self.model or "nvchat-tiny-random"
 
 
 @dataclass(frozen=True)
@@ -100,12 +80,10 @@ def _board(app_name: str) -> Any:
 class VoiceChatReplica:
     """One replica: the model loaded once, and the single-process server's app on it."""
 
-    def __init__(self, settings: ReplicaSettings) -> None:
+    def __init__(self, settings: ServerSettings) -> None:
         import torch
 
         from ..stream import load_from_args
-        from .realtime_server import default_threads
-
         self.settings = settings
         torch.set_num_threads(settings.threads or default_threads())
         self.model = load_from_args(settings)
@@ -116,15 +94,7 @@ class VoiceChatReplica:
     def __serve_build_asgi_app__(self) -> Any:
         from .app import create_app
 
-        s = self.settings
-        options: dict[str, Any] = {}
-        if s.max_buffered_seconds is not None:
-            options["max_buffered_seconds"] = s.max_buffered_seconds
-        if s.warm_prompt_tokens is not None:
-            options["warm_prompt_tokens"] = s.warm_prompt_tokens
-        self.served = create_app(self.model, model_name=s.model_name(), max_sessions=s.max_sessions, api_key=s.api_key,
-                              allow_origins=s.allow_origins, turn_taking=s.turn_taking, catch_up=s.catch_up,
-                              health=self._deployment_health, **options)
+        self.served = create_app(self.model, health=self._deployment_health, **self.settings.app_options())
         threading.Thread(target=self._report, name="nvchat-session-board", daemon=True).start()
         return self.served
 
@@ -153,7 +123,7 @@ class VoiceChatReplica:
         self._stop.set()
 
 
-def application(settings: ReplicaSettings, deployment: Deployment) -> serve.Application:
+def application(settings: ServerSettings, deployment: Deployment) -> serve.Application:
     """The Serve application. Each replica admits ``max_sessions`` calls plus one: the app's own guard
     answers that one with HTTP 503 and its JSON reason, so a full deployment refuses at the handshake
     instead of queueing the connection."""
@@ -176,7 +146,7 @@ def application(settings: ReplicaSettings, deployment: Deployment) -> serve.Appl
 def app_builder(args: dict[str, str]) -> serve.Application:
     """``serve run nvchat_torch.server.ray_serve:app_builder model=... replicas=2 max_sessions=4
     gpus_per_replica=1 [autoscale=1:4]``, or ``args:`` in a Serve config file (docs/server.md)."""
-    known = {f.name for f in dataclasses.fields(ReplicaSettings)} | {"replicas", "gpus_per_replica", "autoscale"}
+    known = {f.name for f in dataclasses.fields(ServerSettings)} | {"replicas", "gpus_per_replica", "autoscale"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"nvchat_torch app_builder: unknown argument(s) {', '.join(unknown)}; known: "
@@ -199,7 +169,7 @@ def app_builder(args: dict[str, str]) -> serve.Application:
         else:
             values[name] = value
     autoscale = parse_autoscale(args["autoscale"]) if "autoscale" in args else None
-    return application(ReplicaSettings(**values), Deployment(replicas=int(args.get("replicas", 1)),
+    return application(ServerSettings(**values), Deployment(replicas=int(args.get("replicas", 1)),
                                                               gpus_per_replica=float(args.get("gpus_per_replica", 0)),
                                                               autoscale=autoscale))
 
@@ -267,7 +237,7 @@ def end_board(app_name: str = "nvchat") -> None:
         pass
 
 
-def deploy(settings: ReplicaSettings, deployment: Deployment, host: str = "127.0.0.1", port: int = 8000) -> str:
+def deploy(settings: ServerSettings, deployment: Deployment, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Deploy on the connected cluster, its proxy on ``host:port``; returns the URL. Raises ValueError where
     the cluster cannot place it."""
     reason = check_cluster(deployment)

@@ -14,7 +14,7 @@ from .scheduler import WARM_PROMPT_TOKENS, FrameScheduler
 from .security import keys_equal
 from .session_config import turn_taking_config
 
-__all__ = ["RealtimeServer", "listen_socket", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS", "default_threads",
+__all__ = ["RealtimeServer", "listen_socket", "MAX_MESSAGE_BYTES", "WS_MAX_BYTES", "MAX_BUFFERED_SECONDS",
            "MAX_UNSENT_SECONDS", "MAX_STEP_FRACTION", "PROMPT_CACHE_BYTES"]
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a larger client message is answered with `message_too_large`
@@ -39,15 +39,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
-
-
-def default_threads() -> int:
-    """The server's torch threads unless ``--threads`` says otherwise: half of torch's default (its
-    cores), at least one. The worker's per-frame steps are thousands of small ops whose fork/join
-    contends with the event loop and the connections for the same cores (docs/server.md, "Under load")."""
-    import torch
-
-    return max(1, torch.get_num_threads() // 2)
 
 
 class RealtimeServer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -183,10 +182,10 @@ class FineTuneRecipe:
             raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
         if args.fsdp and not args.full:
             raise SystemExit("--fsdp shards full fine-tuning: add --full (adapters train replicated, as DDP does)")
-        if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        ranks = self.ranks = Ranks.start(args.device)
+        if args.fsdp and ranks.world == 1:
             raise SystemExit("--fsdp shards over processes: run it under torchrun "
                              "(torchrun --nproc_per_node N -m nvchat_torch.finetune ... --full --fsdp)")
-        ranks = self.ranks = Ranks.start(args.device)
         self.global_batch = ranks.world * args.accumulate  # conversations per optimizer step, all ranks
         if len(conversations) < self.global_batch:
             raise SystemExit(f"{args.data}: {len(conversations)} conversation(s), fewer than the global batch of "
@@ -215,6 +214,7 @@ class FineTuneRecipe:
             adapters.freeze_packed(model)
             params = adapters.lora_parameters(model)
         self.params = params
+        self.lora_layers = list(adapters.lora_modules(model).values())  # their dropout draws, per conversation
         model.train()
         self.stt_config = STTLossConfig(args.text_loss_weight, args.function_loss_weight, args.token_weights,
                                         args.function_token_weights)
@@ -253,7 +253,7 @@ class FineTuneRecipe:
                 totals: dict[str, float] = {}
                 for index in ranks.share(batch):  # the mean of the global batch's losses
                     generator = keyed_generator(args.seed, step, index, model.device)
-                    for layer in adapters.lora_modules(model).values():  # its dropout masks too
+                    for layer in self.lora_layers:  # its dropout masks too
                         layer.generator = generator
                     losses = train_step(model, self.examples[index], self.objectives, generator,
                                         self.stt_config, self.tts_config)
