@@ -53,8 +53,8 @@ class VoiceChatEvent:
     arguments: dict | None = None  # tool_call: the parsed arguments
     # tool_call_error: why the span was not a call to an offered tool; turn (StreamingOptions.turn_taking):
     # what the policy did this frame, one of nvchat_torch.turn_taking.REASONS ("user_speech",
-    # "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed"); `token_id` is the
-    # id the frame emitted
+    # "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed", "speech_ended");
+    # `token_id` is the id the frame emitted
     reason: str | None = None
     # The audio frame the step heard, counted from the session's first (None: a step off the clock,
     # which heard none, or an event of no step). `frame_index` counts every step, heard or not.

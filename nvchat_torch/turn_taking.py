@@ -24,7 +24,12 @@ __all__ = ["TurnTakingConfig", "TurnTaking", "REASONS", "reasons_of", "punctuati
 
 # What the policy did on a frame, as bits of the reason code ``TurnTaking.reason`` holds per row
 # (bit i = REASONS[i]); a frame can carry two (user speech confirmed, and the agent given the turn).
-REASONS = ("user_speech", "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed")
+# "speech_ended" is ours, a report that changes no id: the user's speech that a user_speech or barge_in
+# reported has been silent for eou_frames without the agent being given the turn (it was left
+# unconfirmed, as when the user stops within min_speech_frames of a barge-in), so a caller that
+# reported the start can report the end.
+REASONS = ("user_speech", "end_of_utterance", "first_turn_fallback", "barge_in", "self_play_suppressed",
+           "speech_ended")
 
 
 def reasons_of(code: int) -> list[str]:
@@ -96,7 +101,7 @@ class TurnTakingConfig:
 
 # Columns of the per-row state: counters (long) and flags (bool).
 _BLANKS, _CONSEC, _TOTAL, _T, _LAST_BOS, _LAST_EOS = range(6)
-_SPEAKING, _CONFIRMED, _FIRST_TURN, _USER_FIRST_TURN, _WAS_HELD, _EXEMPT, _WORDS = range(7)
+_SPEAKING, _CONFIRMED, _FIRST_TURN, _USER_FIRST_TURN, _WAS_HELD, _EXEMPT, _WORDS, _IN_SPEECH = range(8)
 _NEVER = -(2 ** 40)  # "no BOS / EOS emitted yet": older than any window
 _PARAMS = ("window", "eou_frames", "barge_in_frames", "min_speech_frames", "min_speech_frames_first_turn",
            "density_low_min_speech", "noise_reset_frames", "first_turn_fallback_frames", "self_play_suppression",
@@ -142,7 +147,7 @@ class TurnTaking(RecurrentCache):
         self.vocabulary = list(rnnt_vocabulary)
         self.configs: list[TurnTakingConfig | None] = [config] * batch
         self.counters = torch.zeros(batch, 6, dtype=torch.long, device=self.device)
-        self.flags = torch.zeros(batch, 7, dtype=torch.bool, device=self.device)
+        self.flags = torch.zeros(batch, 8, dtype=torch.bool, device=self.device)
         self.density = torch.zeros(batch, dtype=torch.float32, device=self.device)
         self.bias = torch.zeros(batch, dtype=torch.float32, device=self.device)  # the punctuation bias
         self.reasons = RowValue(torch.zeros(batch, dtype=torch.long, device=self.device))  # each row's last reason code
@@ -218,7 +223,7 @@ class TurnTaking(RecurrentCache):
             return
         counters = [0] * 6
         counters[_LAST_BOS] = counters[_LAST_EOS] = _NEVER
-        flags = [False] * 7
+        flags = [False] * 8
         flags[_FIRST_TURN] = flags[_USER_FIRST_TURN] = True
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
         self.counters[index] = torch.tensor(counters, dtype=torch.long).to(self.device)
@@ -236,7 +241,7 @@ class TurnTaking(RecurrentCache):
         """One frame for every row (see the class doc); no host read."""
         # Kept to few kernels (it runs every frame): on bools ``a > b`` is ``a & ~b``.
         blanks, consec, total, t, last_bos, last_eos = self.counters.unbind(1)
-        speaking, confirmed, first_turn, user_first_turn, was_held, exempt, words = self.flags.unbind(1)
+        speaking, confirmed, first_turn, user_first_turn, was_held, exempt, words, in_speech = self.flags.unbind(1)
         window, eou, barge_in, min_speech, min_first, low_min, noise_reset, fallback = self._params.unbind(1)
         tok, blank = text_ids, user_blank
         held = torch.zeros_like(blank) if skip is None else skip
@@ -291,11 +296,18 @@ class TurnTaking(RecurrentCache):
         first_turn = first_turn > take
         user_first_turn = user_first_turn > take
         # The window: the ids this row emitted, as their last frames.
-        last_bos = torch.where(out == self.bos_id, t, last_bos)
+        gives_turn = out == self.bos_id
+        last_bos = torch.where(gives_turn, t, last_bos)
         last_eos = torch.where(out == self.eos_id, t, last_eos)
-        self.reasons.tensor = (torch.stack([user_speech, eou_fires, fallback_fires, barge, suppressed], 1) * self._bits).sum(1)
+        # 9. (ours, a report only) the reported speech ends with no turn given: see REASONS.
+        in_speech = in_speech | user_speech | barge
+        speech_ends = ((self._on > held) & in_speech & (blanks >= eou)) > (confirmed | gives_turn)
+        in_speech = in_speech > (gives_turn | speech_ends)
+        self.reasons.tensor = (torch.stack([user_speech, eou_fires, fallback_fires, barge, suppressed, speech_ends], 1)
+                               * self._bits).sum(1)
         self.counters = torch.stack([blanks, consec, total, t + 1, last_bos, last_eos], dim=1)
-        self.flags = torch.stack([speaking, confirmed, first_turn, user_first_turn, held, exempt, words], dim=1)
+        self.flags = torch.stack([speaking, confirmed, first_turn, user_first_turn, held, exempt, words, in_speech],
+                                 dim=1)
         self.density = density
         return out  # a row without a config: never `go`, so its id is as given
 

@@ -31,7 +31,7 @@ from livekit.plugins.openai.realtime import RealtimeModel
 from nvchat_torch.audio_io import pcm16_encode, resample
 from nvchat_torch.server.app import Connection
 from openai.types.realtime.realtime_audio_input_turn_detection import ServerVad
-from test_pipecat import POLICY, voice_activity_rnnt
+from test_pipecat import POLICY, turns_by_the_policy, voice_activity_rnnt
 from test_server import CALL, EXAMPLE, _CallingModel, quiet_function_channel, serve
 
 RATE = 24000  # LiveKit's realtime audio rate, both ways
@@ -155,7 +155,7 @@ class Records(logging.Handler):
 
 def test_livekit_agents_standard_realtime_setup(make_checkpoint, monkeypatch):
     model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
-    hooks = [voice_activity_rnnt(model), quiet_function_channel(model)]
+    hooks = [voice_activity_rnnt(model), quiet_function_channel(model), *turns_by_the_policy(model)]
     speech, rate = sf.read(EXAMPLE, dtype="float32")
     assert rate == 16000
     trace: list = []  # both, in order, with their times

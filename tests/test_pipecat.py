@@ -8,7 +8,8 @@ speech over the assistant, a pause) and a sink that records what reaches the spe
 
 The tiny random model's RNNT does not tell speech from silence, so :func:`voice_activity_rnnt`
 makes its blank follow the input's loudness (the one thing a real transcriber does that the policy
-reads). The server runs NVIDIA's policy with shorter windows than the stock 3.2 s, so the test stays
+reads), and :func:`turns_by_the_policy` keeps its text channel from taking or ending turns by itself.
+The server runs NVIDIA's policy with shorter windows than the stock 3.2 s, so the test stays
 a few seconds of audio, on its real 80 ms clock. The model calls the tool a few frames into its
 greeting (its function channel forced, as a trained model would decide to call), and the tool takes
 3 s: NVIDIA's tool pipeline (on by default) speaks an acknowledgement while the call is written and an
@@ -40,7 +41,7 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
-from test_server import CALL, EXAMPLE, WEATHER, _CallingModel, quiet_function_channel, serve
+from test_server import CALL, EXAMPLE, WEATHER, _CallingModel, quiet_function_channel, serve, text_logit_bias
 
 RATE = 24000  # pipecat's realtime audio rate, both ways
 CHUNK = 1920  # 80 ms
@@ -74,6 +75,16 @@ def voice_activity_rnnt(model, threshold: float = 0.01, strength: float = 40.0):
 
     log_mel.forward_step = heard
     return joint_net.register_forward_hook(bias)
+
+
+def turns_by_the_policy(model) -> list:
+    """Keep the random model from taking or ending a turn by itself (its text channel's BOS and EOS made
+    unlikely), so that the policy and the client's requests decide the turns, as the conversation below
+    expects. Left alone, its own BOS lands now and then while the user speaks; NVIDIA's policy turns it
+    into a barge-in that leaves the speech unconfirmed, and the agent does not answer it
+    (tests/test_server_turns.py covers that case). Returns the hooks' handles."""
+    return [text_logit_bias(model, model.config.bos_token_id, -1e4),
+            text_logit_bias(model, model.config.eos_token_id, -1e4)]
 
 
 def microphone(speech: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
@@ -162,7 +173,7 @@ CONVERSATION = ["UserStartedSpeakingFrame", "UserStoppedSpeakingFrame", "TTSAudi
 def test_pipecat_standard_realtime_setup(make_checkpoint, monkeypatch):
     # a checkpoint whose tokenizer has the tool-call markers, so the tool is taken
     model = nv.load_model(make_checkpoint(seed=0, specials=23), device="cpu", dtype=torch.float32)
-    hooks = [voice_activity_rnnt(model), quiet_function_channel(model)]
+    hooks = [voice_activity_rnnt(model), quiet_function_channel(model), *turns_by_the_policy(model)]
     # the model calls the tool a few frames into its greeting (the greeting's BOS on the first frame)
     calling = _CallingModel(model, [CALL], after=3)
     speech, rate = sf.read(EXAMPLE, dtype="float32")

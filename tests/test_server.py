@@ -295,6 +295,20 @@ class _HookedModel:
         return engine
 
 
+def logit_bias(head, column, strength: float, armed=lambda: True):
+    """A forward hook on a vocabulary head adding ``strength`` to its logits' ``column`` (an int, or a
+    function of the logits' width) while ``armed()``. Returns the hook's handle."""
+
+    def bias(module, inputs, logits):
+        if not armed():
+            return logits
+        at = column(logits.shape[-1]) if callable(column) else column
+        return logits.index_add(-1, torch.tensor([at], device=logits.device),
+                                torch.full((*logits.shape[:-1], 1), strength, dtype=logits.dtype, device=logits.device))
+
+    return head.register_forward_hook(bias)
+
+
 def quiet_function_channel(model, strength: float = 1e4):
     """Make the model's function channel PAD unless forced (a hook on its head's logits): what a trained
     model's is outside its calls. The random one's otherwise opens a call now and then (its start-of-call
@@ -302,13 +316,15 @@ def quiet_function_channel(model, strength: float = 1e4):
     hook's handle."""
     text_head, function_head = model.vocabulary_heads()
     pad = model.config.pad_token_id
+    if function_head is not None:
+        return logit_bias(function_head, pad, strength)
+    return logit_bias(text_head, lambda width: width // 2 + pad, strength)  # the fused heads: [text | function]
 
-    def bias(module, inputs, logits):
-        column = pad if function_head is not None else logits.shape[-1] // 2 + pad  # the fused heads: [text | function]
-        return logits.index_add(-1, torch.tensor([column], device=logits.device),
-                                torch.full((*logits.shape[:-1], 1), strength, dtype=logits.dtype, device=logits.device))
 
-    return (function_head if function_head is not None else text_head).register_forward_hook(bias)
+def text_logit_bias(model, column: int, strength: float, armed=lambda: True):
+    """:func:`logit_bias` on the text channel: the model's own choice of ``column`` made likelier or
+    unlikelier (not forced, so the policy sees it as the model's)."""
+    return logit_bias(model.vocabulary_heads()[0], column, strength, armed)  # fused: the text half comes first
 
 
 class _FailingModel(_HookedModel):

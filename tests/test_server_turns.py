@@ -28,7 +28,7 @@ from nvchat_torch.turn_taking import TurnTakingConfig
 from mlx_oracle import synth_audio
 from test_engine import assert_same_events
 from test_server import (EXAMPLE, GA_16K_22K, RAW, TIMEOUT, WEATHER, _HookedModel, assert_same_pcm, b64,
-                         mlx_conversation, serve)
+                         mlx_conversation, serve, text_logit_bias)
 from test_turn_taking import PROMPT, WAVE_SECONDS, sparse, speechy  # noqa: F401 (fixtures)
 
 POLICY = TurnTakingConfig(window=10, eou_frames=10, barge_in_frames=8, first_turn_fallback_frames=10_000,
@@ -170,30 +170,51 @@ def test_listening_audio_gives_the_sessions_whole_timeline_with_the_policy(heard
     assert [e["type"] for e in events].count("input_audio_buffer.speech_started") == 2
 
 
-class OwnTurnAt(_HookedModel):
-    """The model, but the server's engine makes each session emit BOS on frame ``frame``, forced on its
-    text channel just before that frame runs: the model taking the turn itself, not the policy."""
+class _EachStep(_HookedModel):
+    """The model, but the server's engine calls ``before_step()`` before each step and ``after_step()``
+    after it, with the sessions it opened in ``self.sessions``."""
 
-    def __init__(self, model, frame: int):
+    def __init__(self, model):
         super().__init__(model)
-        self.frame, self.sessions, self.forced = frame, [], set()
+        self.sessions: list = []
 
     def opened(self, handle):
         self.sessions.append(handle)
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
 
     def create_engine(self, max_sessions, profile=False):
         engine = super().create_engine(max_sessions, profile)
         step = engine.step
 
-        def forcing_step():
-            for h in self.sessions:
-                if h.frame_index == self.frame and id(h) not in self.forced:
-                    self.forced.add(id(h))
-                    h.force_tokens("text", [self._model.config.bos_token_id])
-            return step()
+        def each_step():
+            self.before_step()
+            try:
+                return step()
+            finally:
+                self.after_step()
 
-        engine.step = forcing_step
+        engine.step = each_step
         return engine
+
+
+class OwnTurnAt(_EachStep):
+    """Each session emits BOS on frame ``frame``, forced on its text channel just before that frame
+    runs: the model taking the turn itself, not the policy."""
+
+    def __init__(self, model, frame: int):
+        super().__init__(model)
+        self.frame, self.forced = frame, set()
+
+    def before_step(self) -> None:
+        for h in self.sessions:
+            if h.frame_index == self.frame and id(h) not in self.forced:
+                self.forced.add(id(h))
+                h.force_tokens("text", [self._model.config.bos_token_id])
 
 
 def reference_forced(model, pcm: np.ndarray, frame: int, token: int, **options) -> list:
@@ -251,6 +272,69 @@ def test_the_models_own_turn_stops_the_users_speech_and_a_barge_in_starts_it_aga
     assert [kinds.index("input_audio_buffer.speech_started", i) for i in cancels] == \
         [events.index(vad[2]), events.index(vad[4])]
     assert events.index(vad[5]) < kinds.index("input_audio_buffer.committed")
+
+
+class OwnTokenAt(_EachStep):
+    """On frame ``frame`` of each session the model itself picks ``token`` (its text logits biased for
+    that step of the server's engine)."""
+
+    def __init__(self, model, frame: int, token: int):
+        super().__init__(model)
+        self.frame, self.armed = frame, False
+        self.hook = text_logit_bias(model, token, 1e4, lambda: self.armed)
+
+    def before_step(self) -> None:
+        self.armed = any(h.frame_index == self.frame for h in self.sessions)
+
+    def after_step(self) -> None:
+        self.armed = False
+
+
+def test_speech_left_unconfirmed_by_the_models_own_turn_still_gets_its_speech_stopped(heard):
+    """The model's own BOS while the user has spoken for barge_in_frames is stopped at once (a barge-in
+    on the frame it starts), which leaves the user's speech unconfirmed; the user stops a frame later, too
+    soon to be confirmed again, so no end of utterance comes and the agent is not given the turn. The
+    policy reports ``speech_ended`` eou_frames later, and the server sends the speech_stopped that pairs
+    with its speech_started, then the next turn goes as usual."""
+    speech, _ = sf.read(EXAMPLE, dtype="int16")
+    quiet = lambda frames: np.zeros(frames * FRAME, np.int16)  # noqa: E731
+    pcm = np.concatenate([quiet(5), speech[:32000], quiet(15), speech[:25600], quiet(15)])
+    own = 5 + 25 - 2  # the model's BOS two frames before the first speech ends
+    bos, eos = heard.config.bos_token_id, heard.config.eos_token_id
+    server = OwnTokenAt(heard, own, bos)
+    try:
+        session = heard.create_streaming_session(nv.StreamingOptions(deterministic=True, turn_taking=POLICY))
+        wave, ref = pcm.astype(np.float32) / 32768.0, []
+        for i in range(0, len(wave), FRAME):
+            server.armed = i // FRAME == own
+            ref += session.push_audio(wave[i:i + FRAME], 16000)
+        server.armed = False
+        ref += session.flush(pad_partial=True)
+        turns = [(e.frame_index, e.reason) for e in ref if e.kind == "turn"]
+        confirmed = turns[0][0]
+        # the BOS became the barge-in's EOS; silence from own + 2, so eou_frames of it end on own + 11
+        assert turns[:3] == [(confirmed, "user_speech"), (own, "barge_in"),
+                             (own + 1 + POLICY.eou_frames, "speech_ended")], turns
+        assert [r for _, r in turns[3:]] == ["user_speech", "end_of_utterance"], turns
+        assert [e.token_id for e in ref if e.kind == "turn" and e.reason == "barge_in"] == [eos]
+        with serve(server, turn_taking=POLICY, clock=0) as (address, _):
+            events = asyncio.run(run_ga(address, pcm, {**GA_16K_22K, "nvchat": {"deterministic": True}}))
+    finally:
+        server.hook.remove()
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds
+    vad = [e for e in events if e["type"].startswith("input_audio_buffer.speech_")]
+    eou = turns[4][0]
+    assert [(e["type"][len("input_audio_buffer.speech_"):], e.get("audio_start_ms", e.get("audio_end_ms")))
+            for e in vad] == [("started", confirmed * 80), ("stopped", (own + 2) * 80),
+                              ("started", turns[3][0] * 80), ("stopped", (eou + 1 - POLICY.eou_frames) * 80)]
+    items = [e["item_id"] for e in vad]
+    assert items[0::2] == items[1::2] and len(set(items)) == 2
+    first_done = next(i for i, e in enumerate(events) if e["type"] == "conversation.item.done"
+                      and e["item"]["id"] == items[0])
+    assert events.index(vad[1]) < first_done < events.index(vad[2])
+    # the model's BOS never reached the text channel, so no response opened before the second turn's
+    assert kinds.index("response.created") > events.index(vad[3])
 
 
 def test_every_valid_ga_event_and_value_is_taken(model):

@@ -35,6 +35,7 @@ class Reference:
         self.first_turn = self.user_first_turn = True
         self.emitted: list[int] = []
         self.was_held = self.exempt = False
+        self.in_speech = False  # ours: reported speech (user_speech, barge_in) not yet ended
         self.fired: set[str] = set()
 
     def step(self, tok: int, user_blank: bool, held: bool) -> tuple[int, list[str]]:
@@ -53,6 +54,14 @@ class Reference:
         out, reasons = self._policy(tok, t) if not held else (tok, [])
         if held:
             self.fired.add("held")
+        # ours (a report, no id changes): the reported speech ends when the agent is given the turn, or
+        # after eou_frames of silence while it is unconfirmed ("speech_ended")
+        self.in_speech = self.in_speech or "user_speech" in reasons or "barge_in" in reasons
+        if out == BOS:
+            self.in_speech = False
+        elif self.in_speech and not held and self.blank_count >= self.c.eou_frames and not self.confirmed:
+            self.in_speech = False
+            reasons = reasons + ["speech_ended"]
         self.emitted.append(out)
         return out, reasons
 

@@ -166,11 +166,12 @@ class ResponseEvents(ToolSpeechEvents):
                 start = frame + 1 - policy.barge_in_frames if event.reason == "barge_in" else frame
                 await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._frame_ms(start),
                                  "item_id": self.user_item})
-        elif event.reason in ("end_of_utterance", "first_turn_fallback"):
+        elif event.reason in ("end_of_utterance", "first_turn_fallback", "speech_ended"):
             if self.turn.user_speaking:
-                # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands
-                await self._speech_stopped(frame + 1 - policy.eou_frames if event.reason == "end_of_utterance"
-                                           else frame)
+                # the utterance ended eou_frames of silence ago; the fallback cuts in where it stands;
+                # speech_ended: the speech ended as an utterance does, but the agent is not given the turn
+                await self._speech_stopped(frame if event.reason == "first_turn_fallback"
+                                           else frame + 1 - policy.eou_frames)
             else:  # a commit already stopped this speech: a second speech_stopped would pair with nothing
                 await self._complete_user_item()
         # self_play_suppressed: the model's BOS was dropped; nothing a client sees changes
