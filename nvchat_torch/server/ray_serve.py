@@ -19,10 +19,12 @@ from typing import Any, Mapping
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from .settings import ServerSettings, default_threads
 
-__all__ = ["Deployment", "VoiceChatReplica", "SessionBoard", "application", "app_builder",
+__all__ = ["Deployment", "VoiceChatReplica", "SessionBoard", "RoomRouter", "application", "app_builder",
            "deploy", "end_board", "check_cluster", "REPORT_SECONDS"]
 
 log = logging.getLogger("nvchat_torch.server")
@@ -66,6 +68,18 @@ class SessionBoard:
         return {"replicas": len(live), "sessions": sum(s["active_sessions"] for s in live.values()),
                 "max_sessions": sum(s["max_sessions"] for s in live.values()),
                 "room": sum(s["room"] for s in live.values()), "per_replica": live}
+
+
+class RoomRouter(FIFOMixin, RequestRouter):
+    """Serve's request router for this deployment: a call goes to the replica with the fewest open calls
+    of all the replicas. Serve's default compares two picked at random, so with three or more it can
+    pick two full ones while a third has room, and the call is refused. A call is long and a handshake
+    is rare, so asking every replica is cheap; Serve's router keeps each replica's count between asks."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        # One rank of every replica: Serve takes the one with the shortest queue that has a free slot.
+        return [list(candidate_replicas)] if candidate_replicas else []
 
 
 def _board(app_name: str) -> Any:
@@ -126,12 +140,14 @@ class VoiceChatReplica:
 def application(settings: ServerSettings, deployment: Deployment) -> serve.Application:
     """The Serve application. Each replica admits ``max_sessions`` calls plus one: the app's own guard
     answers that one with HTTP 503 and its JSON reason, so a full deployment refuses at the handshake
-    instead of queueing the connection."""
+    instead of queueing the connection. :class:`RoomRouter` sends a call to a replica with room while
+    there is one."""
     actor_options: dict[str, Any] = {"num_gpus": deployment.gpus_per_replica, **deployment.extra_actor_options}
     options: dict[str, Any] = dict(name="VoiceChatReplica", ray_actor_options=actor_options,
                                    max_ongoing_requests=settings.max_sessions + 1, max_queued_requests=4,
                                    graceful_shutdown_timeout_s=deployment.graceful_shutdown_s,
-                                   health_check_period_s=2.0, health_check_timeout_s=30.0)
+                                   health_check_period_s=2.0, health_check_timeout_s=30.0,
+                                   request_router_config=RequestRouterConfig(request_router_class=RoomRouter))
     if deployment.autoscale is None:
         options["num_replicas"] = deployment.replicas
     else:
