@@ -8,7 +8,9 @@ inductor, the backend that generates kernels."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -333,3 +335,42 @@ def test_a_weight_read_twice_is_not_held_upcast_between_its_reads():
     assert code.count("= torch.ops.nvchat.linear_float32.default(") == 4  # one upcast per read
     # no buffer of a weight's size: the graph holds only activations ([2, 512] at most)
     assert "empty_strided_cpu((512, 256)" not in code and "empty_strided_cpu((256, 512)" not in code
+
+
+_CACHED_UNDER_A_DISPATCH = """
+import json, sys, torch
+from nvchat_torch.runtime.compiled_step import StepCompiler
+gen = torch.Generator().manual_seed(0)
+up, down = torch.randn(512, 256, generator=gen), torch.randn(256, 512, generator=gen)
+
+def step(x):
+    for _ in range(2):
+        x = x + torch.relu(x @ up.T) @ down.T
+    return x
+
+x = torch.randn(2, 256, generator=gen)
+with StepCompiler(torch.device("cpu"), store=None).settings():
+    got = torch.compile(step, fullgraph=True)(x)
+print(json.dumps([torch.backends.cpu.get_cpu_capability(), bool(torch.equal(got, step(x)))]))
+"""
+
+
+def test_a_step_compiled_under_one_cpu_dispatch_is_not_reused_under_another(tmp_path):
+    """Inductor's graph cache does not key on the CPU dispatch (``ATEN_CPU_CAPABILITY``) that its
+    kernels' vector width comes from (torch 2.13): a graph cached under AVX-512 gave wrong values under
+    AVX2, and one cached under AVX2 crashed under AVX-512. The frame step's compile settings name the
+    width, so each dispatch gets its own entries: a step compiled under the machine's dispatch, then the
+    other one, then the machine's again, all with one cache folder, equals eager each time."""
+    other = {"AVX512": "avx2", "AVX512_BF16": "avx2", "AMX": "avx2"}.get(torch.backends.cpu.get_cpu_capability(),
+                                                                        "default")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    seen = []
+    for capability in (None, other, None):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run([sys.executable, "-c", _CACHED_UNDER_A_DISPATCH], capture_output=True, text=True,
+                              env=run_env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [equal for _, equal in seen] == [True, True, True], seen
+    assert seen[1][0].lower() == other and seen[0][0] == seen[2][0] != seen[1][0]

@@ -28,6 +28,20 @@ def batch_bucket(rows: int) -> int:
     return 1 if rows <= 1 else 1 << (rows - 1).bit_length()
 
 
+def _vector_bits() -> int:
+    """The vector width inductor's CPU kernels take under the ATen dispatch in effect (0: none). Left
+    unset, inductor reads it from ``ATEN_CPU_CAPABILITY`` but its graph cache does not key on it, so a
+    graph cached under one dispatch is reused under another: in torch 2.13 one cached under AVX-512 gave
+    wrong values under AVX2, and one cached under AVX2 crashed under AVX-512. Set, it is part of the
+    settings the cache keys on."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.simdlen": None}):  # type: ignore[attr-defined]
+        return pick_vec_isa().bit_width()
+
+
 @dataclass
 class StepCompiler:
     """How a model's frame steps are compiled (``load_model(..., compile=True)``): one per model, shared
@@ -70,14 +84,16 @@ class StepCompiler:
         """The compiler settings a step runs under, set per call so the process's own are left alone:
         only the marked dimensions dynamic (a batch size is a new graph, from a bounded set); two
         dimensions that happen to be equal kept two symbols (the LLM's and TTS's capacities are equal at
-        times); room for every graph of the set; and the roundings of bf16 chains kept
-        (``emulate_precision_casts``), which the faithful bf16 networks need."""
+        times); room for every graph of the set; the roundings of bf16 chains kept
+        (``emulate_precision_casts``), which the faithful bf16 networks need; and on a CPU the vector width
+        of the dispatch in effect, named (see ``_vector_bits``)."""
         import torch._dynamo.config as dynamo
         import torch._inductor.config as inductor
         import torch.fx.experimental._config as fx  # duck sizing is on by default in torch 2.13 (pytorch#186373)
 
+        vector = {"cpp.simdlen": _vector_bits()} if self.device.type == "cpu" else {}
         with dynamo.patch(automatic_dynamic_shapes=False, cache_size_limit=64, accumulated_cache_size_limit=256), \
-                fx.patch(use_duck_shape=False), inductor.patch(emulate_precision_casts=True):  # type: ignore[attr-defined]
+                fx.patch(use_duck_shape=False), inductor.patch({"emulate_precision_casts": True, **vector}):  # type: ignore[attr-defined]
             yield
 
     @property
