@@ -59,9 +59,10 @@ def conversation_audio() -> np.ndarray:
     return np.concatenate([quiet(5), speech[:32000], quiet(15), speech[:25600], quiet(30)])
 
 
-async def run_ga(address: str, pcm: np.ndarray | list[bytes], session: dict, before=(), during=()) -> list[dict]:
+async def run_ga(address: str, pcm: np.ndarray | list[bytes], session: dict, before=(), during=(),
+                 at: int = 0) -> list[dict]:
     """Connect, send ``before`` events, the session.update, the audio frame by frame (int16 at 16 kHz,
-    or the appends' bytes), with ``during`` after the first frame, then commit; every event up to the
+    or the appends' bytes), with ``during`` after frame ``at``, then commit; every event up to the
     commit's response.done."""
     appends = [b64(pcm[i:i + FRAME]) for i in range(0, len(pcm), FRAME)] if isinstance(pcm, np.ndarray) else \
         [base64.b64encode(chunk).decode("ascii") for chunk in pcm]
@@ -72,7 +73,7 @@ async def run_ga(address: str, pcm: np.ndarray | list[bytes], session: dict, bef
             await ws.send(json.dumps(event))
         for i, audio in enumerate(appends):
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
-            if i == 0:
+            if i == at:
                 for event in during:
                     await ws.send(json.dumps(event))
         await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
@@ -335,6 +336,33 @@ def test_speech_left_unconfirmed_by_the_models_own_turn_still_gets_its_speech_st
     assert events.index(vad[1]) < first_done < events.index(vad[2])
     # the model's BOS never reached the text channel, so no response opened before the second turn's
     assert kinds.index("response.created") > events.index(vad[3])
+
+
+def test_switching_the_policy_off_mid_speech_ends_that_speech(heard):
+    """A session.update that switches the policy off while the user's speech is open (after its
+    speech_started, before its end of utterance) ends that speech where the audio sent before the update
+    ends: no policy is left to end it. The speech that follows starts nothing."""
+    speech, _ = sf.read(EXAMPLE, dtype="int16")
+    quiet = lambda frames: np.zeros(frames * FRAME, np.int16)  # noqa: E731
+    pcm = np.concatenate([quiet(5), speech[:32000], quiet(15), speech[:25600], quiet(5)])
+    _, ref = reference(heard, pcm, turn_taking=POLICY)
+    confirmed = next(e.frame_index for e in ref if e.kind == "turn" and e.reason == "user_speech")
+    off = {"type": "session.update", "session": {"type": "realtime", "nvchat": {"turn_taking": False}}}
+    with serve(heard, turn_taking=POLICY, clock=0) as (address, _):
+        events = asyncio.run(run_ga(address, pcm, {**GA_16K_22K, "nvchat": {"deterministic": True}},
+                                    during=[off], at=confirmed + 5))
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds
+    vad = [e for e in events if e["type"].startswith("input_audio_buffer.speech_")]
+    assert [e["type"][len("input_audio_buffer.speech_"):] for e in vad] == ["started", "stopped"], vad
+    assert vad[0]["audio_start_ms"] == confirmed * 80 and vad[0]["item_id"] == vad[1]["item_id"]
+    # the update is answered at once; the speech stops once the frames sent before it have run, where
+    # they end (the update came after frame confirmed + 5)
+    updated = [i for i, e in enumerate(events) if e["type"] == "session.updated"][-1]
+    assert events[updated]["session"]["nvchat"]["turn_taking"] is False
+    assert vad[1]["audio_end_ms"] == (confirmed + 6) * 80 and updated < events.index(vad[1])
+    done = [e for e in events if e["type"] == "conversation.item.done" and e["item"]["id"] == vad[0]["item_id"]]
+    assert len(done) == 1 and events.index(vad[1]) < events.index(done[0])
 
 
 def test_every_valid_ga_event_and_value_is_taken(model):

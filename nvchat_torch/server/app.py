@@ -423,6 +423,8 @@ class Connection(ItemEvents, RequestEvents, ResponseEvents):
                     setattr(cfg, key, getattr(self.config, key))
             if cfg.turn_taking != self.config.turn_taking:  # the policy can change live (from the next frame)
                 self.scheduler.call(self.handle, "set_turn_taking", cfg.turn_taking, tag=self.client_event_id)
+                if cfg.turn_taking is None:  # see _mark("policy_off")
+                    self.scheduler.mark(self.handle, "policy_off")
             if cfg.input_rate != self.config.input_rate:  # the stream so far is resampled to its end first
                 self.scheduler.push(self.handle, self.in_resampler(np.zeros(0, np.float32), last=True))
                 self.in_resampler = StreamResampler(cfg.input_rate, self.model_rate)

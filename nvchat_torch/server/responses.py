@@ -86,6 +86,9 @@ class ResponseEvents(ToolSpeechEvents):
         or a commit's (everything sent so far has been heard)."""
         if tag == "clear":
             await self.send({"type": "input_audio_buffer.cleared"})
+        elif tag == "policy_off":  # a session.update switched the policy off, and every frame before it ran
+            if self.turn.user_speaking:  # no policy is left to end the speech it started: it ends here
+                await self._speech_stopped(self.frames)
         elif tag == "commit":
             if self.turn.user_speaking:  # the commit ends the user's speech where the audio ends
                 await self._speech_stopped(self.frames)
