@@ -100,8 +100,8 @@ class TurnTakingConfig:
 
 
 # Columns of the per-row state: counters (long) and flags (bool).
-_BLANKS, _CONSEC, _TOTAL, _T, _LAST_BOS, _LAST_EOS = range(6)
-_SPEAKING, _CONFIRMED, _FIRST_TURN, _USER_FIRST_TURN, _WAS_HELD, _EXEMPT, _WORDS, _IN_SPEECH = range(8)
+_BLANKS, _CONSEC, _TOTAL, _T, _LAST_BOS, _LAST_EOS = range(_COUNTERS := 6)
+_SPEAKING, _CONFIRMED, _FIRST_TURN, _USER_FIRST_TURN, _WAS_HELD, _EXEMPT, _WORDS, _IN_SPEECH = range(_FLAGS := 8)
 _NEVER = -(2 ** 40)  # "no BOS / EOS emitted yet": older than any window
 _PARAMS = ("window", "eou_frames", "barge_in_frames", "min_speech_frames", "min_speech_frames_first_turn",
            "density_low_min_speech", "noise_reset_frames", "first_turn_fallback_frames", "self_play_suppression",
@@ -146,8 +146,8 @@ class TurnTaking(RecurrentCache):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.vocabulary = list(rnnt_vocabulary)
         self.configs: list[TurnTakingConfig | None] = [config] * batch
-        self.counters = torch.zeros(batch, 6, dtype=torch.long, device=self.device)
-        self.flags = torch.zeros(batch, 8, dtype=torch.bool, device=self.device)
+        self.counters = torch.zeros(batch, _COUNTERS, dtype=torch.long, device=self.device)
+        self.flags = torch.zeros(batch, _FLAGS, dtype=torch.bool, device=self.device)
         self.density = torch.zeros(batch, dtype=torch.float32, device=self.device)
         self.bias = torch.zeros(batch, dtype=torch.float32, device=self.device)  # the punctuation bias
         self.reasons = RowValue(torch.zeros(batch, dtype=torch.long, device=self.device))  # each row's last reason code
@@ -169,7 +169,6 @@ class TurnTaking(RecurrentCache):
 
     def rebind(self, tensors: list[torch.Tensor]) -> None:
         self.counters, self.flags, self.density, self.bias = tensors
-
 
     def _upload(self) -> None:
         """The rows' parameters as device tensors (sent when the configs change, not per frame)."""
@@ -221,9 +220,9 @@ class TurnTaking(RecurrentCache):
         rows = [rows] if isinstance(rows, int) else list(rows)
         if not rows:
             return
-        counters = [0] * 6
+        counters = [0] * _COUNTERS
         counters[_LAST_BOS] = counters[_LAST_EOS] = _NEVER
-        flags = [False] * 8
+        flags = [False] * _FLAGS
         flags[_FIRST_TURN] = flags[_USER_FIRST_TURN] = True
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
         self.counters[index] = torch.tensor(counters, dtype=torch.long).to(self.device)
@@ -253,7 +252,7 @@ class TurnTaking(RecurrentCache):
         blanks = (blanks + 1) * blank
         consec = (consec + 1) * speech
         total = total + speech
-        go = self._on > held  # the rows the policy runs on
+        on = self._on > held  # the rows the policy runs on this frame
         since = t - window
         bos_in_window, eos_in_window = last_bos >= since, last_eos >= since
         is_bos, is_eos = tok == self.bos_id, tok == self.eos_id
@@ -261,10 +260,10 @@ class TurnTaking(RecurrentCache):
         need = torch.where(user_first_turn, min_first, min_speech)
         need = torch.where(((density > 0) & (density < self._threshold)) > first_turn, low_min, need)
         # 2. self-play suppression (the first such BOS after a hold passes once)
-        candidate = go & self._suppression & is_bos & ~(speaking | first_turn | confirmed)
+        candidate = on & self._suppression & is_bos & ~(speaking | first_turn | confirmed)
         suppressed = candidate > exempt
         exempt = exempt > candidate
-        go = go > suppressed
+        go = on > suppressed  # the rows the rules below act on
         out = torch.where(suppressed, self.pad_id, tok)
         confirmed_before = confirmed
         # 3. agent state: the model's own BOS / EOS (now or in the window); EOS wins
@@ -301,7 +300,7 @@ class TurnTaking(RecurrentCache):
         last_eos = torch.where(out == self.eos_id, t, last_eos)
         # 9. (ours, a report only) the reported speech ends with no turn given: see REASONS.
         in_speech = in_speech | user_speech | barge
-        speech_ends = ((self._on > held) & in_speech & (blanks >= eou)) > (confirmed | gives_turn)
+        speech_ends = (on & in_speech & (blanks >= eou)) > (confirmed | gives_turn)
         in_speech = in_speech > (gives_turn | speech_ends)
         self.reasons.tensor = (torch.stack([user_speech, eou_fires, fallback_fires, barge, suppressed, speech_ends], 1)
                                * self._bits).sum(1)

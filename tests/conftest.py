@@ -10,26 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config  # noqa: F401 (the attribute set below)
 from mlx_oracle import Reference, TinySpec, build_tiny_checkpoint
+
+from nvchat_torch.runtime.compiled_step import vector_bits
 
 # Tiny models are dominated by per-op overhead, which extra threads only add to (and the CI box has 2 cores).
 torch.set_num_threads(1)
 
-
-def _inductor_cache_per_dispatch() -> None:
-    """The tests' own ``torch.compile`` calls get an inductor cache folder per CPU dispatch: torch 2.13's
-    graph cache does not key on ``ATEN_CPU_CAPABILITY``, so a run under another dispatch (as when CI's
-    AVX2 machine is reproduced) would reuse graphs made for this one and give wrong values
-    (tests/test_compiled_step.py; the frame step's own compile settings guard against it)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    base = cache_dir()
-    if os.path.basename(base).startswith("dispatch-"):  # set by the process that started this one
-        base = os.path.dirname(base)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"dispatch-{torch.backends.cpu.get_cpu_capability().lower()}")
-
-
-_inductor_cache_per_dispatch()
+# The tests' own torch.compile calls name the CPU vector width too, as the frame step's compile settings
+# do: inductor's graph cache does not key on ATEN_CPU_CAPABILITY, so a run under another dispatch (CI's
+# AVX2 machine reproduced) would otherwise reuse this one's graphs and give wrong values (vector_bits).
+torch._inductor.config.cpp.simdlen = vector_bits()  # type: ignore[attr-defined]
 
 _CHECKPOINTS: dict[str, Path] = {}
 _REFERENCES: dict[tuple[str, bool], Reference] = {}

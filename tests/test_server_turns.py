@@ -218,15 +218,20 @@ class OwnTurnAt(_EachStep):
                 h.force_tokens("text", [self._model.config.bos_token_id])
 
 
-def reference_forced(model, pcm: np.ndarray, frame: int, token: int, **options) -> list:
-    """As ``reference``, frame by frame, with ``token`` forced on the text channel at ``frame``."""
+def reference_by_frame(model, pcm: np.ndarray, before, **options) -> list:
+    """As ``reference``, frame by frame, calling ``before(frame, session)`` before each frame."""
     session = model.create_streaming_session(nv.StreamingOptions(deterministic=True, **options))
     wave, events = pcm.astype(np.float32) / 32768.0, []
     for i in range(0, len(wave), FRAME):
-        if i // FRAME == frame:
-            session.force_tokens("text", [token])
+        before(i // FRAME, session)
         events += session.push_audio(wave[i:i + FRAME], 16000)
     return events + session.flush(pad_partial=True)
+
+
+def reference_forced(model, pcm: np.ndarray, frame: int, token: int, **options) -> list:
+    """As ``reference``, frame by frame, with ``token`` forced on the text channel at ``frame``."""
+    return reference_by_frame(model, pcm, lambda i, session: session.force_tokens("text", [token]) if i == frame
+                              else None, **options)
 
 
 def test_the_models_own_turn_stops_the_users_speech_and_a_barge_in_starts_it_again(heard):
@@ -297,20 +302,13 @@ def test_speech_left_unconfirmed_by_the_models_own_turn_still_gets_its_speech_st
     soon to be confirmed again, so no end of utterance comes and the agent is not given the turn. The
     policy reports ``speech_ended`` eou_frames later, and the server sends the speech_stopped that pairs
     with its speech_started, then the next turn goes as usual."""
-    speech, _ = sf.read(EXAMPLE, dtype="int16")
-    quiet = lambda frames: np.zeros(frames * FRAME, np.int16)  # noqa: E731
-    pcm = np.concatenate([quiet(5), speech[:32000], quiet(15), speech[:25600], quiet(15)])
+    pcm = conversation_audio()
     own = 5 + 25 - 2  # the model's BOS two frames before the first speech ends
     bos, eos = heard.config.bos_token_id, heard.config.eos_token_id
     server = OwnTokenAt(heard, own, bos)
     try:
-        session = heard.create_streaming_session(nv.StreamingOptions(deterministic=True, turn_taking=POLICY))
-        wave, ref = pcm.astype(np.float32) / 32768.0, []
-        for i in range(0, len(wave), FRAME):
-            server.armed = i // FRAME == own
-            ref += session.push_audio(wave[i:i + FRAME], 16000)
+        ref = reference_by_frame(heard, pcm, lambda i, _: setattr(server, "armed", i == own), turn_taking=POLICY)
         server.armed = False
-        ref += session.flush(pad_partial=True)
         turns = [(e.frame_index, e.reason) for e in ref if e.kind == "turn"]
         confirmed = turns[0][0]
         # the BOS became the barge-in's EOS; silence from own + 2, so eou_frames of it end on own + 11
@@ -342,9 +340,7 @@ def test_switching_the_policy_off_mid_speech_ends_that_speech(heard):
     """A session.update that switches the policy off while the user's speech is open (after its
     speech_started, before its end of utterance) ends that speech where the audio sent before the update
     ends: no policy is left to end it. The speech that follows starts nothing."""
-    speech, _ = sf.read(EXAMPLE, dtype="int16")
-    quiet = lambda frames: np.zeros(frames * FRAME, np.int16)  # noqa: E731
-    pcm = np.concatenate([quiet(5), speech[:32000], quiet(15), speech[:25600], quiet(5)])
+    pcm = conversation_audio()
     _, ref = reference(heard, pcm, turn_taking=POLICY)
     confirmed = next(e.frame_index for e in ref if e.kind == "turn" and e.reason == "user_speech")
     off = {"type": "session.update", "session": {"type": "realtime", "nvchat": {"turn_taking": False}}}

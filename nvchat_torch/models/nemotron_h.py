@@ -271,7 +271,6 @@ class MambaStates(RecurrentCache):
                 c.ssm_state = next(given)
 
 
-
 # --------------------------------------------------------------------------------------
 # Mamba-2
 

@@ -7,6 +7,7 @@ are in docs/performance.md, "The compiled frame step"."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 
 from .graph_store import GraphStore, default_store, package_digest
 
-__all__ = ["StepCompiler", "CompiledStep", "BACKENDS", "batch_bucket"]
+__all__ = ["StepCompiler", "CompiledStep", "BACKENDS", "batch_bucket", "vector_bits"]
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -28,7 +29,8 @@ def batch_bucket(rows: int) -> int:
     return 1 if rows <= 1 else 1 << (rows - 1).bit_length()
 
 
-def _vector_bits() -> int:
+@functools.cache  # the dispatch is fixed when torch starts; the compiled path enters settings() every frame
+def vector_bits() -> int:
     """The vector width inductor's CPU kernels take under the ATen dispatch in effect (0: none). Left
     unset, inductor reads it from ``ATEN_CPU_CAPABILITY`` but its graph cache does not key on it, so a
     graph cached under one dispatch is reused under another: in torch 2.13 one cached under AVX-512 gave
@@ -86,12 +88,12 @@ class StepCompiler:
         dimensions that happen to be equal kept two symbols (the LLM's and TTS's capacities are equal at
         times); room for every graph of the set; the roundings of bf16 chains kept
         (``emulate_precision_casts``), which the faithful bf16 networks need; and on a CPU the vector width
-        of the dispatch in effect, named (see ``_vector_bits``)."""
+        of the dispatch in effect, named (see :func:`vector_bits`)."""
         import torch._dynamo.config as dynamo
         import torch._inductor.config as inductor
         import torch.fx.experimental._config as fx  # duck sizing is on by default in torch 2.13 (pytorch#186373)
 
-        vector = {"cpp.simdlen": _vector_bits()} if self.device.type == "cpu" else {}
+        vector = {"cpp.simdlen": vector_bits()} if self.device.type == "cpu" else {}
         with dynamo.patch(automatic_dynamic_shapes=False, cache_size_limit=64, accumulated_cache_size_limit=256), \
                 fx.patch(use_duck_shape=False), inductor.patch({"emulate_precision_casts": True, **vector}):  # type: ignore[attr-defined]
             yield
